@@ -1,0 +1,197 @@
+"""Model and engine configuration.
+
+`ModelConfig` is read once from a model folder's `config.json`; the per-layer kind is data
+(`layer_types`), never a subclass. `EngineConfig` holds what the user chooses at run time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# model_type -> family; the wrapper types keep their text model under `text_config`
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A config.json that hcw cannot run."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of fp32, bf16, fp16")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    hidden_act: str = "silu"
+    # full attention
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    # gated deltanet
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # mixture of experts (qwen3_next); num_experts == 0 means dense MLP everywhere
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # checkpoint layout
+    weight_prefix: str = "model."
+    # qwen3_next stores q/k/v/z and b/a in one fused, per-key-head interleaved projection
+    fused_gdn_projection: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries, "
+                              f"num_hidden_layers is {self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_KINDS))
+        if unknown:
+            raise ConfigError(f"unknown layer types {unknown}; supported: {list(LAYER_KINDS)}")
+        if "full_attention" in self.layer_types and self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if "linear_attention" in self.layer_types and self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError("num_experts_per_tok must be in 1..num_experts")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, idx: int) -> bool:
+        return (self.num_experts > 0 and idx not in self.mlp_only_layers
+                and (idx + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"unsupported model_type {model_type!r}; "
+                              f"supported families: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        text = raw
+        prefix = "model."
+        if model_type == "qwen3_5":
+            if "text_config" not in raw:
+                raise ConfigError("qwen3_5 config.json has no text_config")
+            # the vision tower is ignored: hcw runs the language model only
+            text = {**raw["text_config"]}
+            text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+            prefix = "model.language_model."
+        return cls._from_text(model_type, text, prefix)
+
+    @classmethod
+    def _from_text(cls, model_type: str, t: dict, prefix: str) -> ModelConfig:
+        try:
+            n_layers = int(t["num_hidden_layers"])
+            hidden = int(t["hidden_size"])
+            vocab = int(t["vocab_size"])
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing {e.args[0]!r}") from None
+        interval = int(t.get("full_attention_interval", 4))
+        layer_types = t.get("layer_types") or [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+        rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", t.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise ConfigError(f"rope type {rope_type!r} is not supported")
+        eos = t.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        n_heads = int(t.get("num_attention_heads", 16))
+        return cls(
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(t.get("intermediate_size", 4 * hidden)),
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+            hidden_act=t.get("hidden_act", "silu"),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(t.get("num_key_value_heads", n_heads)),
+            head_dim=int(t.get("head_dim") or hidden // n_heads),
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(partial),
+            attention_bias=bool(t.get("attention_bias", False)),
+            linear_conv_kernel_dim=int(t.get("linear_conv_kernel_dim", 4)),
+            linear_key_head_dim=int(t.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(t.get("linear_value_head_dim", 128)),
+            linear_num_key_heads=int(t.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(t.get("linear_num_value_heads", 32)),
+            num_experts=int(t.get("num_experts", 0)) if model_type == "qwen3_next" else 0,
+            num_experts_per_tok=int(t.get("num_experts_per_tok", 0)),
+            moe_intermediate_size=int(t.get("moe_intermediate_size", 0)),
+            shared_expert_intermediate_size=int(t.get("shared_expert_intermediate_size", 0)),
+            norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(t.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(t.get("mlp_only_layers") or ()),
+            weight_prefix=prefix,
+            fused_gdn_projection=model_type == "qwen3_next",
+            eos_token_ids=eos_ids,
+            bos_token_id=t.get("bos_token_id"),
+            extra={k: v for k, v in t.items() if k.startswith("hcw_")},
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{folder} has no config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user chooses at run time; built once at the entry point."""
+
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    prefill_chunk_size: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk_size < 1:
+            raise ConfigError("prefill_chunk_size must be >= 1")
+
+    @staticmethod
+    def default_device() -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"

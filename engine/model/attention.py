@@ -1,0 +1,62 @@
+"""Gated full attention: GQA, q/k RMSNorm per head, partial RoPE, sigmoid output gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.states import KVState
+from engine.config import ModelConfig
+from engine.model.norm import RMSNorm
+from engine.model.rope import Rotary
+
+
+class GatedAttention(nn.Module):
+    kind = "full_attention"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        hd, bias = cfg.head_dim, cfg.attention_bias
+        # q_proj yields, per head, the query followed by its output gate
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd * 2, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, unit_offset=True)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+
+    def new_state(self, batch: int, dtype, device) -> KVState:
+        return KVState.empty(batch, self.n_kv, self.head_dim, dtype, device)
+
+    def forward(self, x: torch.Tensor, state: KVState | None, start: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        hd = self.head_dim
+        q, gate = self.q_proj(x).view(b, t, self.n_heads, 2 * hd).split(hd, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, hd)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, hd).transpose(1, 2)
+        q = self.rotary.apply(q, start)
+        k = self.rotary.apply(k, start)
+        if state is not None:
+            k, v = state.append(k, v)
+        o = _causal_attention(q, k, v, start)  # [B, H, T, D]
+        o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q holds positions start..start+T-1, k/v hold positions 0..start+T-1."""
+    t, total = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if t == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if total == t:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    q_pos = torch.arange(total - t, total, device=q.device)
+    mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]  # [T, total]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

@@ -1,0 +1,87 @@
+"""Gated DeltaNet token mixer (Qwen3.5 / Qwen3-Next linear_attention layers).
+
+x -> in_proj_qkv -> causal depthwise conv (kernel K) + silu -> q, k (L2-normalised), v
+  -> gated delta rule with decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b)
+  -> GatedRMSNorm(out, z) -> out_proj
+
+All of the layer's memory of the sequence is in a GDNState passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.states import GDNState
+from engine.config import ModelConfig
+from engine.model.norm import GatedRMSNorm
+from kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
+
+
+class GatedDeltaNet(nn.Module):
+    kind = "linear_attention"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_k = cfg.linear_num_key_heads
+        self.n_v = cfg.linear_num_value_heads
+        self.dk = cfg.linear_key_head_dim
+        self.dv = cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        key_dim, value_dim = self.n_k * self.dk, self.n_v * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
+        h = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.n_v, bias=False)
+        self.in_proj_a = nn.Linear(h, self.n_v, bias=False)
+        # depthwise: one K-tap filter per channel, stored as checkpoints do: [C, 1, K]
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v))
+        self.A_log = nn.Parameter(torch.zeros(self.n_v))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, h, bias=False)
+
+    def new_state(self, batch: int, dtype, device) -> GDNState:
+        return GDNState.zeros(batch, self.conv_dim, self.kernel, self.n_v, self.dk, self.dv, dtype, device)
+
+    def forward(self, x: torch.Tensor, state: GDNState | None, start: int = 0) -> torch.Tensor:
+        b, t, _ = x.shape
+        mixed = self._conv(self.in_proj_qkv(x).transpose(1, 2), state)  # [B, C, T]
+        q, k, v = mixed.transpose(1, 2).split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], -1)
+        q = _l2norm(q.view(b, t, self.n_k, self.dk)) * self.dk ** -0.5
+        k = _l2norm(k.view(b, t, self.n_k, self.dk))
+        v = v.reshape(b, t, self.n_v, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+
+        initial = None if state is None else state.recurrent
+        if t == 1 and state is not None:
+            o, final = recurrent_gated_delta(q, k, v, g, beta, initial)
+        else:
+            o, final = chunk_gated_delta(q, k, v, g, beta, initial)
+        if state is not None:
+            state.recurrent = final
+        z = self.in_proj_z(x).view(b, t, self.n_v, self.dv)
+        o = self.norm(o, z).reshape(b, t, -1)
+        return self.out_proj(o)
+
+    def _conv(self, mixed: torch.Tensor, state: GDNState | None) -> torch.Tensor:
+        """Causal depthwise conv + silu over [B, C, T]; the previous K-1 inputs come from state."""
+        t = mixed.shape[-1]
+        if state is None:
+            history = mixed.new_zeros(mixed.shape[0], self.conv_dim, self.kernel - 1)
+        else:
+            history = state.conv.to(mixed.dtype)
+        full = torch.cat([history, mixed], dim=-1)  # [B, C, K-1+T]
+        if state is not None:
+            state.conv = full[:, :, -(self.kernel - 1):].clone()
+        out = F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)
+        return F.silu(out[:, :, -t:])
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # eps inside the root, as the Gated DeltaNet checkpoints were trained with
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

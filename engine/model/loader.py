@@ -1,0 +1,160 @@
+"""Load a model folder (config.json + safetensors, single file or sharded index) into HybridModel.
+
+Checkpoint names are mapped onto ours by stripping the family's prefix; two layouts are rewritten
+on the way in so one module serves every family:
+- Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) become the split
+  `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` of Qwen3.5;
+- per-expert MoE weights (`experts.{e}.gate_proj.weight`, ...) become the stacked tensors.
+Every missing, unexpected or mis-shaped tensor is an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ConfigError, ModelConfig, parse_dtype
+from engine.model.hybrid import HybridModel
+
+# parts of multimodal / multi-token-prediction checkpoints that the language model never reads
+IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+class WeightsError(ValueError):
+    """The weights in a folder do not match its config."""
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | None = None) -> HybridModel:
+    """Build the model described by `path/config.json` and load its safetensors weights."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"model folder {folder} does not exist")
+    cfg = ModelConfig.from_folder(folder)
+    dtype = parse_dtype(dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.device("meta"):
+        model = HybridModel(cfg)
+    tensors = _read_safetensors(folder)
+    state = _to_our_names(cfg, tensors)
+    _check(model, state)
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
+                          strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{folder} has no .safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        shard = folder / name
+        if not shard.is_file():
+            raise WeightsError(f"shard {name} listed in the index is missing from {folder}")
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _to_our_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    prefix = cfg.weight_prefix
+    for key, t in tensors.items():
+        if key.startswith(IGNORED_PREFIXES):
+            continue
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+        elif key == "lm_head.weight":
+            name = key
+        else:
+            raise WeightsError(f"unexpected tensor {key!r} (expected names under {prefix!r})")
+        m = re.fullmatch(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if m:
+            experts.setdefault((m[1], int(m[2])), {})[m[3]] = t
+            continue
+        out[name] = t
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    _stack_experts(cfg, experts, out)
+    if cfg.fused_gdn_projection:
+        _split_fused_gdn(cfg, out)
+    return out
+
+
+def _stack_experts(cfg: ModelConfig, experts: dict, out: dict[str, torch.Tensor]) -> None:
+    by_layer: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for (base, e), parts in experts.items():
+        by_layer.setdefault(base, {})[e] = parts
+    for base, per_expert in by_layer.items():
+        missing = [f"{cfg.weight_prefix}{base}.{e}.{p}.weight" for e in range(cfg.num_experts)
+                   for p in ("gate_proj", "up_proj", "down_proj") if p not in per_expert.get(e, {})]
+        if missing:
+            raise WeightsError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        extra = sorted(set(per_expert) - set(range(cfg.num_experts)))
+        if extra:
+            raise WeightsError(f"unexpected tensor {cfg.weight_prefix}{base}.{extra[0]}.gate_proj.weight "
+                               f"(config has {cfg.num_experts} experts)")
+        order = range(cfg.num_experts)
+        out[f"{base}.gate_up_proj"] = torch.stack(
+            [torch.cat([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], 0) for e in order])
+        out[f"{base}.down_proj"] = torch.stack([per_expert[e]["down_proj"] for e in order])
+
+
+def _split_fused_gdn(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> None:
+    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // nk
+    h = cfg.hidden_size
+    for name in [n for n in out if n.endswith("linear_attn.in_proj_qkvz.weight")]:
+        base = name[: -len("in_proj_qkvz.weight")]
+        w = out.pop(name)
+        if w.shape != (nk * (2 * dk + 2 * r * dv), h):
+            raise WeightsError(f"tensor {cfg.weight_prefix}{name!r} has shape {tuple(w.shape)}, "
+                               f"expected {(nk * (2 * dk + 2 * r * dv), h)}")
+        q, k, v, z = w.view(nk, 2 * dk + 2 * r * dv, h).split([dk, dk, r * dv, r * dv], dim=1)
+        out[base + "in_proj_qkv.weight"] = torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)])
+        out[base + "in_proj_z.weight"] = z.reshape(-1, h)
+        ba_name = base + "in_proj_ba.weight"
+        if ba_name not in out:
+            raise WeightsError(f"missing tensor {cfg.weight_prefix + ba_name!r}")
+        ba = out.pop(ba_name)
+        if ba.shape != (2 * nk * r, h):
+            raise WeightsError(f"tensor {cfg.weight_prefix + ba_name!r} has shape {tuple(ba.shape)}, "
+                               f"expected {(2 * nk * r, h)}")
+        b, a = ba.view(nk, 2 * r, h).split([r, r], dim=1)
+        out[base + "in_proj_b.weight"] = b.reshape(-1, h)
+        out[base + "in_proj_a.weight"] = a.reshape(-1, h)
+
+
+def _check(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
+    cfg = model.config
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+
+    def ckpt_name(ours: str) -> str:
+        return ours if ours == "lm_head.weight" else cfg.weight_prefix + ours
+
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightsError(f"missing tensor {ckpt_name(missing[0])!r}{more}")
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise WeightsError(f"unexpected tensor {ckpt_name(extra[0])!r}{more}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise WeightsError(f"tensor {ckpt_name(name)!r} has shape {tuple(state[name].shape)}, expected {shape}")

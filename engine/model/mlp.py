@@ -1,0 +1,72 @@
+"""Feed-forward blocks: dense SwiGLU and the Qwen3-Next mixture of experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored stacked: gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, n: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; idx, weight [N, k]: each token's experts and their mixing weights."""
+        out = torch.zeros_like(x)
+        flat = idx.flatten()
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // idx.shape[1]
+        w_sorted = weight.flatten()[order]
+        lo = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[lo:lo + n]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_sorted[lo:lo + n, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+            lo += n
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Softmax router over E experts, top-k (optionally renormalised), plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = torch.softmax(self.gate(flat).float(), dim=-1)
+        top_w, top_i = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        routed = self.experts(flat, top_i, top_w.to(x.dtype))
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).reshape(shape)

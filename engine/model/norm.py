@@ -1,0 +1,41 @@
+"""RMSNorm in the two variants hybrid checkpoints use, and the gated form GDN outputs go through."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * scale, computed in float32.
+
+    unit_offset=True is the zero-centred variant (scale = 1 + weight, weight stored around 0) that
+    Qwen3.5 / Qwen3-Next use; False is the plain variant (scale = weight).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()
+        return (y * scale).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """y = (x / rms(x)) * weight * silu(gate): the norm-then-gate on Gated DeltaNet outputs."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        y = self.weight * y
+        return (y.float() * nn.functional.silu(gate.float())).to(x.dtype)
