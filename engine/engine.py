@@ -1,0 +1,160 @@
+"""Engine: chunked prefill, decode and generation over one model.
+
+Contract: the engine knows token ids only, never text. Each request owns a `ModelState` (every
+layer's state object); the model's modules hold weights only. Streaming is a callback invoked with
+each new token id as soon as it is sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.cache.states import ModelState
+from engine.config import EngineConfig
+from engine.model.hybrid import HybridModel
+
+
+class PromptError(ValueError):
+    """A prompt the engine refuses: empty, out-of-vocabulary ids, or past the context limit."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    greedy: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError("temperature must be > 0 (use greedy for argmax decoding)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+@dataclass
+class Timings:
+    """Named like llama.cpp's server timings so the two can be compared field by field."""
+
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    cache_n: int = 0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["prompt_per_second"] = 1000 * self.prompt_n / self.prompt_ms if self.prompt_ms else 0.0
+        d["predicted_per_second"] = 1000 * self.predicted_n / self.predicted_ms if self.predicted_ms else 0.0
+        return d
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    stop_reason: str  # "length" | "stop" | "context"
+    timings: Timings = field(default_factory=Timings)
+
+
+class Engine:
+    def __init__(self, model: HybridModel, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config or EngineConfig(dtype=model.dtype, device=str(model.device))
+
+    @property
+    def context_limit(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def new_state(self) -> ModelState:
+        return self.model.new_state(batch=1)
+
+    def check_prompt(self, ids: Sequence[int]) -> None:
+        if len(ids) == 0:
+            raise PromptError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [i for i in ids if not 0 <= int(i) < vocab]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
+        if len(ids) > self.context_limit:
+            raise PromptError(f"the prompt has {len(ids)} tokens, past the context limit of {self.context_limit}")
+
+    def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None) -> torch.Tensor:
+        """Run `ids` through the model in chunks, advancing `state`; return the last token's logits."""
+        if len(ids) == 0:
+            raise PromptError("nothing to prefill")
+        if state.seq_len + len(ids) > self.context_limit:
+            raise PromptError(f"{state.seq_len + len(ids)} tokens would pass the context limit of {self.context_limit}")
+        chunk = chunk_size or self.config.prefill_chunk_size
+        tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.model.device)
+        logits = None
+        for lo in range(0, len(tokens), chunk):
+            logits = self.model(tokens[lo:lo + chunk], state, last_only=True)
+        return logits[0, -1]
+
+    def decode(self, token: int, state: ModelState) -> torch.Tensor:
+        tokens = torch.tensor([[token]], dtype=torch.long, device=self.model.device)
+        return self.model(tokens, state)[0, -1]
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 on_token: Callable[[int], None] | None = None, state: ModelState | None = None) -> Generation:
+        self.check_prompt(prompt_ids)
+        state = state or self.new_state()
+        stops = set(params.stop_ids) | set(self.model.config.eos_token_ids)
+        sampler = Sampler(params, self.model.device)
+        timings = Timings(prompt_n=len(prompt_ids))
+
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt_ids, state)
+        timings.prompt_ms = 1000 * (time.perf_counter() - t0)
+
+        out: list[int] = []
+        reason = "length"
+        t0 = time.perf_counter()
+        while len(out) < params.max_new_tokens:
+            token = sampler(logits)
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stops:
+                reason = "stop"
+                break
+            if len(out) == params.max_new_tokens:
+                break
+            if state.seq_len >= self.context_limit:
+                reason = "context"
+                break
+            logits = self.decode(token, state)
+        timings.predicted_ms = 1000 * (time.perf_counter() - t0)
+        timings.predicted_n = len(out)
+        return Generation(out, reason, timings)
+
+
+class Sampler:
+    """Greedy, or temperature + nucleus (top-p) sampling from a seeded generator."""
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.params = params
+        self.gen = None
+        if not params.greedy:
+            self.gen = torch.Generator(device=device)
+            self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.params.greedy:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = sorted_p.cumsum(-1) - sorted_p >= self.params.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            return int(order[torch.multinomial(sorted_p, 1, generator=self.gen)])
+        return int(torch.multinomial(probs, 1, generator=self.gen))

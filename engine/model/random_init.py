@@ -1,0 +1,71 @@
+"""Random weights in the ranges real checkpoints use, and writing them as a model folder.
+
+Used by `hcw random-model`, the benchmarks and the engine tests: a model with no trained weights
+still exercises every code path, with logits that are finite and not degenerate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.model.hybrid import HybridModel
+
+
+def qwen3_5_text_dict(hidden: int = 256, layers: int = 8, vocab: int = 263, attn_every: int = 4,
+                      max_positions: int = 32768) -> dict:
+    """A qwen3_5_text config.json body: `attn_every - 1` GDN layers to each full-attention layer."""
+    heads = max(1, hidden // 64)
+    return {
+        "model_type": "qwen3_5_text", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
+        "layer_types": ["full_attention" if (i + 1) % attn_every == 0 else "linear_attention" for i in range(layers)],
+        "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": 64,
+        "linear_num_key_heads": heads, "linear_num_value_heads": 2 * heads,
+        "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": max_positions, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    }
+
+
+@torch.no_grad()
+def init_random(model: HybridModel, seed: int = 0) -> HybridModel:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=g).log())
+        elif name.endswith("dt_bias"):
+            p.fill_(1.0)
+        elif "norm" in name:
+            # zero-centred norms are stored around 0, plain ones around 1
+            base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+            p.copy_(base + 0.05 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def write_random_model(folder: str | Path, raw_config: dict, seed: int = 0, byte_tokenizer: bool = True) -> Path:
+    """Write config.json + model.safetensors for a random model of `raw_config`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = dict(raw_config)
+    if byte_tokenizer:
+        raw["hcw_tokenizer"] = "byte"
+        raw.setdefault("eos_token_id", [257, 262])
+    cfg = ModelConfig.from_dict(raw)
+    model = init_random(HybridModel(cfg), seed)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                tensors[name] = t.contiguous()
+        else:
+            tensors[cfg.weight_prefix + name] = t.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return folder

@@ -1,0 +1,85 @@
+"""Loading model folders: layouts, shards, and errors that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_reference as ref
+from engine import ConfigError, ModelConfig, WeightsError, load_model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    hf = ref.build("qwen3_5_text", seed=1)
+    return hf, ref.save(hf, tmp_path_factory.mktemp("q35"))
+
+
+def _rewrite(folder, dst, edit):
+    dst.mkdir()
+    (dst / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_sharded_checkpoint_loads_and_matches(tmp_path):
+    hf = ref.build("qwen3_next", seed=2)
+    folder = ref.save(hf, tmp_path / "sharded", shard="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    ids = torch.randint(0, 97, (33,))
+    assert (load_model(folder, device="cpu")(ids) - ref.logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+def test_wrapper_layout_reads_text_config_and_ignores_vision(tmp_path):
+    hf = ref.build("qwen3_5", seed=4)
+    folder = ref.save(hf, tmp_path / "wrapper")
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["model_type"] == "qwen3_5"
+    cfg = ModelConfig.from_folder(folder)
+    assert cfg.weight_prefix == "model.language_model."
+    assert cfg.hidden_size == raw["text_config"]["hidden_size"]
+    assert any(k.startswith("model.visual.") for k in load_file(str(folder / "model.safetensors")))
+    load_model(folder, device="cpu")
+
+
+def test_missing_tensor_is_named(saved, tmp_path):
+    _, folder = saved
+    name = "model.layers.2.linear_attn.A_log"
+    bad = _rewrite(folder, tmp_path / "m", lambda t: t.pop(name))
+    with pytest.raises(WeightsError, match="missing tensor 'model.layers.2.linear_attn.A_log'"):
+        load_model(bad, device="cpu")
+
+
+def test_extra_tensor_is_named(saved, tmp_path):
+    _, folder = saved
+    bad = _rewrite(folder, tmp_path / "m", lambda t: t.update({"model.layers.0.bogus.weight": torch.zeros(2)}))
+    with pytest.raises(WeightsError, match="unexpected tensor 'model.layers.0.bogus.weight'"):
+        load_model(bad, device="cpu")
+
+
+def test_misshaped_tensor_is_named(saved, tmp_path):
+    _, folder = saved
+    name = "model.layers.3.self_attn.k_proj.weight"
+    bad = _rewrite(folder, tmp_path / "m", lambda t: t.update({name: torch.zeros(3, 64)}))
+    with pytest.raises(WeightsError, match=r"tensor 'model.layers.3.self_attn.k_proj.weight' has shape \(3, 64\)"):
+        load_model(bad, device="cpu")
+
+
+def test_unknown_model_type_lists_supported_families(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ConfigError, match="qwen3_5, qwen3_5_text, qwen3_next"):
+        load_model(tmp_path, device="cpu")
+
+
+def test_folder_without_weights_or_config(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_model(tmp_path, device="cpu")
+    (tmp_path / "config.json").write_text(json.dumps(ref.qwen3_5_text_config().to_dict()))
+    with pytest.raises(WeightsError, match="no .safetensors"):
+        load_model(tmp_path, device="cpu")

@@ -1,0 +1,77 @@
+"""`hcw` command line: parses arguments and calls one function per command."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="hcw: hybrid cache workbench for hybrid-attention language models.")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def generate(
+    model: Path = typer.Option(..., "--model", help="model folder (config.json + safetensors)"),
+    prompt: str | None = typer.Option(None, "--prompt", help="prompt text (needs a tokenizer in the folder)"),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="comma-separated token ids"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=0),
+    greedy: bool = typer.Option(False, "--greedy", help="argmax decoding"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int | None = typer.Option(None, "--seed"),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16"),
+    device: str | None = typer.Option(None, "--device", help="cpu | cuda (default: cuda when present)"),
+    chunk_size: int = typer.Option(2048, "--chunk-size", min=1, help="prefill chunk size"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
+) -> None:
+    """Generate a continuation of a prompt, streaming tokens as they come."""
+    from workbench.generate import GenerateRequest, run_generate
+
+    if (prompt is None) == (prompt_ids is None):
+        _fail("give exactly one of --prompt and --prompt-ids")
+    ids = None
+    if prompt_ids is not None:
+        try:
+            ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            _fail(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}")
+    req = GenerateRequest(model=model, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
+                          greedy=greedy, temperature=temperature, top_p=top_p, seed=seed, dtype=dtype,
+                          device=device, chunk_size=chunk_size, as_json=as_json)
+    try:
+        run_generate(req, out=sys.stdout)
+    except ValueError as e:
+        _fail(str(e))
+
+
+@app.command("random-model")
+def random_model(
+    out: Path = typer.Argument(..., help="folder to write config.json + model.safetensors into"),
+    hidden: int = typer.Option(256, "--hidden", min=64),
+    layers: int = typer.Option(8, "--layers", min=1),
+    attn_every: int = typer.Option(4, "--attn-every", min=1, help="one full-attention layer every N layers"),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Write a random-weight Qwen3.5-style hybrid (byte tokenizer) for trying the engine out."""
+    from engine.model.random_init import qwen3_5_text_dict, write_random_model
+
+    if hidden % 64:
+        _fail("--hidden must be a multiple of 64")
+    write_random_model(out, qwen3_5_text_dict(hidden=hidden, layers=layers, attn_every=attn_every), seed=seed)
+    typer.echo(json.dumps({"model": str(out), "hidden": hidden, "layers": layers}))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
