@@ -77,8 +77,12 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat([history, mixed], dim=-1)  # [B, C, K-1+T]
         if state is not None:
             state.conv = full[:, :, -(self.kernel - 1):].clone()
-        out = F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)
-        return F.silu(out[:, :, -t:])
+        if t == 1:
+            # decode: one dot product per channel; conv1d's setup cost dominates at this size
+            out = (full * self.conv1d.weight[:, 0]).sum(-1, keepdim=True)
+        else:
+            out = F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)
+        return F.silu(out)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,0 +1,21 @@
+"""docs/BENCHMARKS.md is assembled from sections, each owned and rewritten by one script."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
+HEADER = ("# Benchmarks\n\nEvery table here is written by a script in `benchmarks/`; rerun it to refresh its "
+          "section. Speed targets are ratios against a baseline measured in the same process.\n")
+
+
+def write_section(key: str, title: str, body: str) -> None:
+    text = DOC.read_text() if DOC.exists() else HEADER
+    stamp = dt.date.today().isoformat()
+    block = f"<!-- section:{key} -->\n## {title}\n\n_Measured {stamp}._\n\n{body}\n<!-- /section:{key} -->\n"
+    pattern = re.compile(rf"<!-- section:{key} -->.*?<!-- /section:{key} -->\n", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(text)
