@@ -29,6 +29,16 @@ def test_chunk_equals_recurrent(t, chunk):
     assert (s - s_ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("block_chunks", [1, 3])
+def test_blocked_scan_equals_recurrent(block_chunks):
+    # blocks of 1 and 3 chunks of 16: 300 tokens cross several block boundaries and end mid-block
+    q, k, v, g, beta, s0 = _inputs(300)
+    o_ref, s_ref = recurrent_gated_delta(q, k, v, g, beta, s0)
+    o, s = chunk_gated_delta(q, k, v, g, beta, s0, chunk_size=16, block_chunks=block_chunks)
+    assert (o - o_ref).abs().max().item() <= 1e-4
+    assert (s - s_ref).abs().max().item() <= 1e-4
+
+
 def test_state_hand_off_splits_a_sequence_anywhere():
     q, k, v, g, beta, _ = _inputs(97, hk=1, hv=1)
     o_all, s_all = chunk_gated_delta(q, k, v, g, beta)

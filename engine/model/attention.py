@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.cache.states import KVState
 from engine.config import ModelConfig
+from engine.model.fused import FusedLinear
 from engine.model.norm import RMSNorm
 from engine.model.rope import Rotary
 
@@ -21,10 +22,9 @@ class GatedAttention(nn.Module):
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         hd, bias = cfg.head_dim, cfg.attention_bias
-        # q_proj yields, per head, the query followed by its output gate
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd * 2, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
+        # the q_proj part yields, per head, the query followed by its output gate
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": self.n_heads * hd * 2, "k_proj": self.n_kv * hd,
+                                                      "v_proj": self.n_kv * hd}, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, unit_offset=True)
@@ -36,10 +36,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: KVState | None, start: int) -> torch.Tensor:
         b, t, _ = x.shape
         hd = self.head_dim
-        q, gate = self.q_proj(x).view(b, t, self.n_heads, 2 * hd).split(hd, dim=-1)
+        qg, k, v = self.qkv_proj.forward_split(x)
+        q, gate = qg.reshape(b, t, self.n_heads, 2 * hd).split(hd, dim=-1)
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, hd)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, hd).transpose(1, 2)
+        k = self.k_norm(k.reshape(b, t, self.n_kv, hd)).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, hd).transpose(1, 2)
         q = self.rotary.apply(q, start)
         k = self.rotary.apply(k, start)
         if state is not None:

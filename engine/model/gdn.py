@@ -1,6 +1,6 @@
 """Gated DeltaNet token mixer (Qwen3.5 / Qwen3-Next linear_attention layers).
 
-x -> in_proj_qkv -> causal depthwise conv (kernel K) + silu -> q, k (L2-normalised), v
+x -> in_proj (qkv | z | b | a) -> qkv: causal depthwise conv (kernel K) + silu -> q, k (L2-normalised), v
   -> gated delta rule with decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b)
   -> GatedRMSNorm(out, z) -> out_proj
 
@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.cache.states import GDNState
 from engine.config import ModelConfig
+from engine.model.fused import FusedLinear
 from engine.model.norm import GatedRMSNorm
 from kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
 
@@ -32,10 +33,8 @@ class GatedDeltaNet(nn.Module):
         key_dim, value_dim = self.n_k * self.dk, self.n_v * self.dv
         self.conv_dim = 2 * key_dim + value_dim
         h = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.n_v, bias=False)
-        self.in_proj_a = nn.Linear(h, self.n_v, bias=False)
+        self.in_proj = FusedLinear(h, {"in_proj_qkv": self.conv_dim, "in_proj_z": value_dim,
+                                       "in_proj_b": self.n_v, "in_proj_a": self.n_v})
         # depthwise: one K-tap filter per channel, stored as checkpoints do: [C, 1, K]
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.n_v))
@@ -48,13 +47,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: GDNState | None, start: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
-        mixed = self._conv(self.in_proj_qkv(x).transpose(1, 2), state)  # [B, C, T]
-        q, k, v = mixed.transpose(1, 2).split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], -1)
-        q = _l2norm(q.view(b, t, self.n_k, self.dk)) * self.dk ** -0.5
-        k = _l2norm(k.view(b, t, self.n_k, self.dk))
+        qkv, z, b_in, a_in = self.in_proj.forward_split(x)
+        mixed = self._conv(qkv.transpose(1, 2), state)  # [B, C, T]
+        qk, v = mixed.transpose(1, 2).split([2 * self.n_k * self.dk, self.n_v * self.dv], -1)
+        qk = _l2norm(qk.reshape(b, t, 2 * self.n_k, self.dk))  # q and k heads normalised in one pass
+        q, k = qk[:, :, : self.n_k] * self.dk ** -0.5, qk[:, :, self.n_k:]
         v = v.reshape(b, t, self.n_v, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(b_in)
+        g = -self.A_log.float().exp() * F.softplus(a_in.float() + self.dt_bias.float())
 
         initial = None if state is None else state.recurrent
         if t == 1 and state is not None:
@@ -63,8 +63,7 @@ class GatedDeltaNet(nn.Module):
             o, final = chunk_gated_delta(q, k, v, g, beta, initial)
         if state is not None:
             state.recurrent = final
-        z = self.in_proj_z(x).view(b, t, self.n_v, self.dv)
-        o = self.norm(o, z).reshape(b, t, -1)
+        o = self.norm(o, z.reshape(b, t, self.n_v, self.dv)).reshape(b, t, -1)
         return self.out_proj(o)
 
     def _conv(self, mixed: torch.Tensor, state: GDNState | None) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ConfigError, ModelConfig, parse_dtype
+from engine.model.fused import FusedLinear
 from engine.model.hybrid import HybridModel
 
 # parts of multimodal / multi-token-prediction checkpoints that the language model never reads
@@ -41,6 +42,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     tensors = _read_safetensors(folder)
     state = _to_our_names(cfg, tensors)
     _check(model, state)
+    _fuse(model, state)
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
                           strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -138,9 +140,35 @@ def _split_fused_gdn(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> None:
         out[base + "in_proj_a.weight"] = a.reshape(-1, h)
 
 
+def _fused_modules(model: HybridModel):
+    """(our fused name, [(checkpoint sibling name, rows)]) for every FusedLinear, weight and bias."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, FusedLinear):
+            parent = name.rsplit(".", 1)[0]
+            for attr in ("weight", "bias") if mod.bias is not None else ("weight",):
+                yield f"{name}.{attr}", [(f"{parent}.{part}.{attr}", rows) for part, rows in mod.parts.items()]
+
+
+def _fuse(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
+    for fused, parts in _fused_modules(model):
+        state[fused] = torch.cat([state.pop(part) for part, _ in parts])
+
+
+def checkpoint_layout(model: HybridModel) -> dict[str, torch.Tensor]:
+    """Our state dict with fused projections split back into the checkpoint's tensors."""
+    state = dict(model.state_dict())
+    for fused, parts in _fused_modules(model):
+        pieces = state.pop(fused).split([rows for _, rows in parts])
+        state.update({part: piece for (part, _), piece in zip(parts, pieces)})
+    return state
+
+
 def _check(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
     cfg = model.config
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for fused, parts in _fused_modules(model):
+        shape = expected.pop(fused)
+        expected.update({part: (rows, *shape[1:]) for part, rows in parts})
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
 

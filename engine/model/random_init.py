@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.model.hybrid import HybridModel
+from engine.model.loader import checkpoint_layout
 
 
 def qwen3_5_text_dict(hidden: int = 256, layers: int = 8, vocab: int = 263, attn_every: int = 4,
@@ -60,7 +61,7 @@ def write_random_model(folder: str | Path, raw_config: dict, seed: int = 0, byte
     cfg = ModelConfig.from_dict(raw)
     model = init_random(HybridModel(cfg), seed)
     tensors = {}
-    for name, t in model.state_dict().items():
+    for name, t in checkpoint_layout(model).items():
         if name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
                 tensors[name] = t.contiguous()

@@ -29,8 +29,9 @@ def _to_heads(q, k, v, g, beta):
         q = q.repeat_interleave(groups, dim=2)
         k = k.repeat_interleave(groups, dim=2)
     # [B, T, H, D] -> [B, H, T, D] in float32
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
-    g, beta = (x.transpose(1, 2).float() for x in (g, beta))
+    # contiguous after the transpose: batched matmuls over strided views take a slow path
+    q, k, v = (x.transpose(1, 2).float().contiguous() for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).float().contiguous() for x in (g, beta))
     return q, k, v, g, beta
 
 
@@ -40,7 +41,16 @@ def _initial(state, b, h, dk, dv, device):
     return state.float()
 
 
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    # strongly decayed entries (below e^-30, ~1e-13) are held at e^-30 instead of underflowing:
+    # exp of very negative inputs and arithmetic on denormals run ~30x slower on CPUs, and
+    # the difference is far below float32 resolution of anything they are added to
+    return x.clamp(min=-30.0).exp()
+
+
 def recurrent_gated_delta(q, k, v, g, beta, initial_state=None):
+    if q.shape[1] == 1 and initial_state is not None:
+        return _single_step(q, k, v, g, beta, initial_state)
     out_dtype = v.dtype
     q, k, v, g, beta = _to_heads(q, k, v, g, beta)
     b, h, t, dk = k.shape
@@ -57,7 +67,24 @@ def recurrent_gated_delta(q, k, v, g, beta, initial_state=None):
     return out.transpose(1, 2).to(out_dtype), s
 
 
-def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+def _single_step(q, k, v, g, beta, state):
+    """One decode token, without the per-sequence layout changes: [B, 1, H, D] in, state updated."""
+    b, _, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    r = hv // hk
+    # value heads grouped over key heads: view as [B, Hk, r, ...] instead of repeating q and k
+    s = state.float().view(b, hk, r, dk, dv) * g.float().exp().view(b, hk, r, 1, 1)
+    k_ = k.float().view(b, hk, 1, 1, dk)
+    pred = (k_ @ s).view(b, hk, r, dv)
+    u = (v.float().view(b, hk, r, dv) - pred) * beta.float().view(b, hk, r, 1)
+    s = s + k_.transpose(-1, -2) * u.view(b, hk, r, 1, dv)
+    o = (q.float().view(b, hk, 1, 1, dk) @ s).view(b, 1, hv, dv)
+    return o.to(v.dtype), s.view(b, hv, dk, dv)
+
+
+def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, block_chunks: int = 16):
+    """Chunks of `chunk_size` tokens, `block_chunks` chunks materialised at a time: the C x C
+    intermediates then cost O(block) memory whatever the sequence length."""
     out_dtype = v.dtype
     q, k, v, g, beta = _to_heads(q, k, v, g, beta)
     b, h, t, dk = k.shape
@@ -68,31 +95,51 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64
         # padded tokens carry beta = 0 (no write) and g = 0 (no decay): the final state is unchanged
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
-    n = (t + pad) // c
+    s = _initial(initial_state, b, h, dk, dv, v.device)
+    outs = []
+    step = c * block_chunks
+    for lo in range(0, t + pad, step):
+        hi = min(lo + step, t + pad)
+        o, s = _chunk_block(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], g[:, :, lo:hi], beta[:, :, lo:hi], s, c)
+        outs.append(o)
+    out = torch.cat(outs, dim=2)[:, :, :t] if len(outs) > 1 else outs[0][:, :, :t]
+    return out.transpose(1, 2).to(out_dtype), s
+
+
+def _chunk_block(q, k, v, g, beta, s, c: int):
+    """[B, H, n*c, D] inputs, state s [B, H, Dk, Dv] -> (out [B, H, n*c, Dv], new state)."""
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    n = t // c
     q, k, v = (x.reshape(b, h, n, c, -1) for x in (q, k, v))
     g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
 
     gam = g.cumsum(-1)  # log decay from the chunk start through token i, [B, H, N, C]
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     # decay[i, j] = exp(gam_i - gam_j) for j <= i, else 0
-    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    # (the upper triangle is positive and would overflow: capped at 0 before it is masked out)
+    decay = _exp((gam[..., :, None] - gam[..., None, :]).clamp(max=0.0)).masked_fill(~causal, 0.0)
 
     # (I + A) u = beta * v - (beta * exp(gam) * k) S0, A[i, j] = beta_i decay[i, j] k_i.k_j for j < i
     a = (k @ k.transpose(-1, -2)) * decay * beta[..., :, None]
-    rhs = torch.cat([v * beta[..., None], k * (beta * gam.exp())[..., None]], dim=-1)
+    rhs = torch.cat([v * beta[..., None], k * (beta * _exp(gam))[..., None]], dim=-1)
     sol = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
     u_free, u_state = sol[..., :dv], sol[..., dv:]  # u = u_free - u_state @ S0
 
     attn = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C]
-    q_decayed = q * gam.exp()[..., None]
-    k_to_end = k * (gam[..., -1:] - gam).exp()[..., None]
-    chunk_decay = gam[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+    q_decayed = q * _exp(gam)[..., None]
+    k_to_end = k * _exp(gam[..., -1:] - gam)[..., None]
+    chunk_decay = _exp(gam[..., -1])[..., None, None]  # [B, H, N, 1, 1]
 
-    s = _initial(initial_state, b, h, dk, dv, v.device)
-    out = torch.empty(b, h, n, c, dv, dtype=torch.float32, device=v.device)
+    # chunk-major copies: each step of the scan below reads contiguous blocks
+    u_free, u_state, q_decayed, attn, chunk_decay = (
+        x.movedim(2, 0).contiguous() for x in (u_free, u_state, q_decayed, attn, chunk_decay))
+    k_to_end_t = k_to_end.transpose(-1, -2).movedim(2, 0).contiguous()  # [N, B, H, Dk, C]
+
+    out = torch.empty(n, b, h, c, dv, dtype=torch.float32, device=v.device)
     for i in range(n):
-        u = u_free[:, :, i] - u_state[:, :, i] @ s
-        out[:, :, i] = q_decayed[:, :, i] @ s + attn[:, :, i] @ u
-        s = s * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
-    out = out.reshape(b, h, n * c, dv)[:, :, :t]
-    return out.transpose(1, 2).to(out_dtype), s
+        u = torch.baddbmm(u_free[i].view(-1, c, dv), u_state[i].view(-1, c, dk), s.view(-1, dk, dv),
+                          alpha=-1).view(b, h, c, dv)
+        out[i] = q_decayed[i] @ s + attn[i] @ u
+        s = s * chunk_decay[i] + k_to_end_t[i] @ u
+    return out.movedim(0, 2).reshape(b, h, t, dv), s

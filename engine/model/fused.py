@@ -1,0 +1,20 @@
+"""One GEMM for several checkpoint projections that read the same input.
+
+The checkpoint keeps `q_proj`, `k_proj`, `v_proj` (or GDN's four input projections, or an MLP's
+gate and up) as separate tensors; running them as one matmul halves the passes over the
+activations and the Python calls per layer. The loader concatenates the parts in `parts` order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FusedLinear(nn.Linear):
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)  # checkpoint sibling name -> output rows, in concatenation order
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self(x).split(list(self.parts.values()), dim=-1)
