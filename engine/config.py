@@ -13,8 +13,12 @@ from pathlib import Path
 import torch
 
 # model_type -> family; the wrapper types keep their text model under `text_config`
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
-LAYER_KINDS = ("linear_attention", "full_attention")
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "deepseek_v4")
+LAYER_KINDS = ("linear_attention", "full_attention", "sliding_attention", "compressed_sparse_attention",
+               "heavily_compressed_attention")
+# the DeepSeek-V4 kinds: every one has a sliding-window branch, two add a compressor
+COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
+V4_KINDS = ("sliding_attention", *COMPRESSED_KINDS)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -30,6 +34,31 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in _DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; choose one of fp32, bf16, fp16")
     return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rotary table: base, and YaRN scaling when `yarn_factor` is set."""
+
+    theta: float = 10000.0
+    yarn_factor: float | None = None
+    yarn_original_max: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RopeSpec:
+        kind = d.get("rope_type", d.get("type", "default"))
+        if kind == "default":
+            return cls(theta=float(d.get("rope_theta", 10000.0)))
+        if kind != "yarn":
+            raise ConfigError(f"rope type {kind!r} is not supported (default, yarn)")
+        return cls(theta=float(d.get("rope_theta", 10000.0)), yarn_factor=float(d["factor"]),
+                   yarn_original_max=int(d["original_max_position_embeddings"]),
+                   beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
+                   attention_factor=float(d.get("attention_factor", 1.0)), truncate=bool(d.get("truncate", True)))
 
 
 @dataclass(frozen=True)
@@ -69,6 +98,25 @@ class ModelConfig:
     weight_prefix: str = "model."
     # qwen3_next stores q/k/v/z and b/a in one fused, per-key-head interleaved projection
     fused_gdn_projection: bool = False
+    # deepseek_v4: sliding / compressed-sparse / heavily-compressed attention, hyper-connections
+    sliding_window: int = 0
+    csa_rate: int = 4
+    hca_rate: int = 128
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    q_lora_rank: int = 0
+    o_groups: int = 1
+    o_lora_rank: int = 0
+    hc_mult: int = 1  # 1 = a plain residual stream; > 1 = hyper-connections with that many streams
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    mlp_layer_types: tuple[str, ...] = ()  # per layer: "dense" | "moe" | "hash_moe" (v4 routing)
+    scoring_func: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    swiglu_limit: float | None = None
+    rope_main: RopeSpec = RopeSpec()
+    rope_compress: RopeSpec = RopeSpec()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
@@ -86,6 +134,36 @@ class ModelConfig:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError("num_experts_per_tok must be in 1..num_experts")
+        if any(k in V4_KINDS for k in self.layer_types):
+            self._check_v4()
+
+    def _check_v4(self) -> None:
+        kinds = set(self.layer_types)
+        if self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be > 0, got {self.sliding_window}")
+        for name, kind, rate in (("compressed_sparse_attention", "compressed_sparse_attention", self.csa_rate),
+                                 ("heavily_compressed_attention", "heavily_compressed_attention", self.hca_rate)):
+            if kind in kinds and rate < 2:
+                raise ConfigError(f"compress rate for {name} must be >= 2, got {rate}")
+        if {"compressed_sparse_attention", "heavily_compressed_attention"} <= kinds and self.hca_rate % self.csa_rate:
+            # nested windows: every heavily-compressed window closes on a compressed-sparse boundary, so one
+            # segment boundary never splits the two kinds' windows differently
+            raise ConfigError(f"the heavily-compressed rate ({self.hca_rate}) must be a multiple of the "
+                              f"compressed-sparse rate ({self.csa_rate})")
+        if "compressed_sparse_attention" in kinds:
+            most = self.max_position_embeddings // self.csa_rate
+            if not 1 <= self.index_topk <= most:
+                raise ConfigError(f"index_topk must be in 1..{most} (the most compressed entries a "
+                                  f"{self.max_position_embeddings}-token context has), got {self.index_topk}")
+            if self.index_n_heads < 1 or self.index_head_dim < self.rotary_dim:
+                raise ConfigError("index_n_heads must be >= 1 and index_head_dim >= the rotary dim")
+        if self.num_attention_heads % self.o_groups:
+            raise ConfigError("num_attention_heads must be a multiple of o_groups")
+        if len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ConfigError("mlp_layer_types needs one entry per layer")
+
+    def compress_rate(self, kind: str) -> int:
+        return {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}[kind]
 
     @property
     def rotary_dim(self) -> int:
@@ -94,6 +172,15 @@ class ModelConfig:
     def is_moe_layer(self, idx: int) -> bool:
         return (self.num_experts > 0 and idx not in self.mlp_only_layers
                 and (idx + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def is_v4(self) -> bool:
+        return self.model_type == "deepseek_v4"
+
+    @property
+    def norm_unit_offset(self) -> bool:
+        # Qwen stores norm weights around 0 (scale = 1 + w); DeepSeek-V4 stores the scale itself
+        return not self.is_v4
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -110,7 +197,63 @@ class ModelConfig:
             text = {**raw["text_config"]}
             text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
             prefix = "model.language_model."
+        if model_type == "deepseek_v4":
+            return cls._from_v4(raw)
         return cls._from_text(model_type, text, prefix)
+
+    @classmethod
+    def _from_v4(cls, t: dict) -> ModelConfig:
+        try:
+            n_layers = int(t["num_hidden_layers"])
+            hidden = int(t["hidden_size"])
+            vocab = int(t["vocab_size"])
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing {e.args[0]!r}") from None
+        layer_types = t.get("layer_types") or (
+            ["heavily_compressed_attention"] * min(n_layers, 2)
+            + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(n_layers - 2)])
+        n_hash = int(t.get("num_hash_layers", 3))
+        mlp_types = t.get("mlp_layer_types") or (["hash_moe"] * min(n_layers, n_hash) + ["moe"] * (n_layers - n_hash))
+        rates = t.get("compress_rates") or {}
+        head_dim = int(t.get("head_dim", 512))
+        partial = t.get("partial_rotary_factor")
+        if partial is None:
+            partial = t["qk_rope_head_dim"] / head_dim if "qk_rope_head_dim" in t else 64 / 512
+        rope = t.get("rope_parameters") or {}
+        if isinstance(rope.get("main"), dict):
+            main, compress = rope["main"], rope["compress"]
+        else:
+            main = {"rope_type": "default", "rope_theta": t.get("rope_theta", 10000.0)}
+            compress = {**rope, "rope_theta": t.get("compress_rope_theta", 160000.0)}
+        eos = t.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type="deepseek_v4", vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=int(t.get("moe_intermediate_size", 2048)),
+            num_hidden_layers=n_layers, layer_types=tuple(layer_types),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(t.get("max_position_embeddings", 1048576)),
+            num_attention_heads=int(t.get("num_attention_heads", 64)), num_key_value_heads=1,
+            head_dim=head_dim, partial_rotary_factor=float(partial),
+            num_experts=int(t.get("n_routed_experts", 256)), num_experts_per_tok=int(t.get("num_experts_per_tok", 6)),
+            moe_intermediate_size=int(t.get("moe_intermediate_size", 2048)),
+            shared_expert_intermediate_size=int(t.get("moe_intermediate_size", 2048)),
+            sliding_window=int(t.get("sliding_window", 128)),
+            csa_rate=int(rates.get("compressed_sparse_attention", t.get("compress_rate_csa", 4))),
+            hca_rate=int(rates.get("heavily_compressed_attention", t.get("compress_rate_hca", 128))),
+            index_n_heads=int(t.get("index_n_heads", 64)), index_head_dim=int(t.get("index_head_dim", 128)),
+            index_topk=int(t.get("index_topk", 512)), q_lora_rank=int(t.get("q_lora_rank", 1024)),
+            o_groups=int(t.get("o_groups", 8)), o_lora_rank=int(t.get("o_lora_rank", 1024)),
+            hc_mult=int(t.get("hc_mult", 4)), hc_sinkhorn_iters=int(t.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(t.get("hc_eps", 1e-6)), mlp_layer_types=tuple(mlp_types),
+            scoring_func=t.get("scoring_func", "sqrtsoftplus"),
+            routed_scaling_factor=float(t.get("routed_scaling_factor", 1.5)),
+            swiglu_limit=t.get("swiglu_limit", 10.0),
+            rope_main=RopeSpec.from_dict(main), rope_compress=RopeSpec.from_dict(compress),
+            weight_prefix="model.", eos_token_ids=eos_ids, bos_token_id=t.get("bos_token_id"),
+            extra={k: v for k, v in t.items() if k.startswith("hcw_")},
+        )
 
     @classmethod
     def _from_text(cls, model_type: str, t: dict, prefix: str) -> ModelConfig:

@@ -79,3 +79,40 @@ def save(model, folder: Path, shard: str | None = None) -> Path:
 @torch.no_grad()
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids[None] if ids.dim() == 1 else ids, use_cache=False).logits
+
+
+def deepseek_v4_config(**over):
+    from transformers import DeepseekV4Config
+
+    base = dict(vocab_size=97, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, head_dim=32, q_lora_rank=48, n_routed_experts=4, num_experts_per_tok=2,
+                sliding_window=8, o_groups=2, o_lora_rank=16, index_head_dim=16, index_topk=4,
+                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                mlp_layer_types=["hash_moe", "moe", "moe"], max_position_embeddings=4096,
+                partial_rotary_factor=0.25, hc_mult=2, index_n_heads=4)
+    base.update(over)
+    return DeepseekV4Config(**base)
+
+
+def build_v4(seed: int = 0, **over):
+    """A random DeepseekV4ForCausalLM with every parameter randomised (transformers zero-inits
+    sinks, position biases and hyper-connection biases, which would hide bugs in them)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.DeepseekV4ForCausalLM(deepseek_v4_config(**over))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias", "base", "hc_base", "e_score_correction_bias")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "norm" in name or name.endswith(("scale", "hc_scale")):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buf.copy_(torch.stack([torch.randperm(model.config.n_routed_experts, generator=g)[:buf.shape[1]]
+                                       for _ in range(buf.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)
+    return model.eval()

@@ -71,9 +71,58 @@ class GDNState:
 class ModelState:
     """All layer states of one sequence plus how many tokens they describe."""
 
-    layers: list[KVState | GDNState]
+    layers: list[KVState | GDNState | V4AttnState]
     seq_len: int = 0
     extra: dict = field(default_factory=dict)
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers)
+
+
+@dataclass
+class WindowState:
+    """Sliding window: the shared key/value vectors of the last W-1 positions, [B, n, D], n <= W-1."""
+
+    kv: torch.Tensor
+    end: int = 0  # the position after the newest stored entry
+
+    @property
+    def start(self) -> int:
+        return self.end - self.kv.shape[1]
+
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass
+class CompressedState:
+    """A compressor's memory: closed windows as entries, the open window's raw projections (the
+    uncompressed tail) and, for overlapping (CSA-style) compressors, the overlap slice of the last
+    closed window that the next entry pools together with its own tokens."""
+
+    entries: torch.Tensor  # [B, n, D]: entry i pools window i, tokens [i*m, (i+1)*m) (+ overlap)
+    tail_kv: torch.Tensor  # [B, r, C]: projections of the r < m tokens of the open window
+    tail_gate: torch.Tensor  # [B, r, C]: their gate logits (position bias not yet added)
+    overlap_kv: torch.Tensor | None = None  # [B, m, D]
+    overlap_gate: torch.Tensor | None = None  # [B, m, D] (position bias added)
+
+    @property
+    def count(self) -> int:
+        return self.entries.shape[1]
+
+    def nbytes(self) -> int:
+        parts = [self.entries, self.tail_kv, self.tail_gate, self.overlap_kv, self.overlap_gate]
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+
+@dataclass
+class V4AttnState:
+    """One DeepSeek-V4 attention layer: the sliding window, plus a compressor (CSA / HCA) and, for
+    CSA, the lightning indexer's own compressed keys."""
+
+    window: WindowState
+    compressor: CompressedState | None = None
+    indexer: CompressedState | None = None
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in (self.window, self.compressor, self.indexer) if s is not None)

@@ -1,9 +1,12 @@
 """The hybrid decoder: embeddings, a stack of pre-norm blocks whose token mixer is chosen by
 `layer_types[i]`, a final norm and the LM head. Knows token ids only, never text.
 
-    model(input_ids)                       -> logits [B, T, vocab], full prefill, no state kept
-    model(input_ids, state)                -> logits for the new tokens; state advanced in place
+    model(input_ids)                        -> logits [B, T, vocab], full prefill, no state kept
+    model(input_ids, state)                 -> logits for the new tokens; state advanced in place
     model(input_ids, state, last_only=True) -> logits [B, 1, vocab] (prefill only needs the last)
+
+The residual is one stream (`hc_mult == 1`, Qwen-style names) or `hc_mult` hyper-connected
+streams (DeepSeek-V4 names); either way the mixers and FFNs are the same modules.
 """
 
 from __future__ import annotations
@@ -12,42 +15,87 @@ import torch
 from torch import nn
 
 from engine.cache.states import ModelState
-from engine.config import ModelConfig
+from engine.config import V4_KINDS, ModelConfig
 from engine.model.attention import GatedAttention
 from engine.model.gdn import GatedDeltaNet
-from engine.model.mlp import MLP, SparseMoE
+from engine.model.hyper import HyperConnection, HyperHead
+from engine.model.mlp import MLP, SparseMoE, V4MoE
 from engine.model.norm import RMSNorm
+from engine.model.v4_attention import V4Attention
 
-MIXERS = {"linear_attention": ("linear_attn", GatedDeltaNet), "full_attention": ("self_attn", GatedAttention)}
+
+def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
+    if kind == "linear_attention":
+        return GatedDeltaNet(cfg)
+    if kind == "full_attention":
+        return GatedAttention(cfg)
+    if kind in V4_KINDS:
+        return V4Attention(cfg, kind)
+    raise ValueError(f"no mixer for layer kind {kind!r}")
+
+
+def make_ffn(cfg: ModelConfig, idx: int) -> nn.Module:
+    if cfg.mlp_layer_types and cfg.mlp_layer_types[idx] in ("moe", "hash_moe"):
+        return V4MoE(cfg, idx)
+    if cfg.is_moe_layer(idx):
+        return SparseMoE(cfg)
+    return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 class Block(nn.Module):
+    """Pre-norm block on a single residual stream; attribute names are the Qwen checkpoints'."""
+
     def __init__(self, cfg: ModelConfig, idx: int):
         super().__init__()
         self.kind = cfg.layer_types[idx]
-        # the attribute name is the checkpoint's, so weights load without renaming
-        self.mixer_name, mixer_cls = MIXERS[self.kind]
-        self.add_module(self.mixer_name, mixer_cls(cfg))
-        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        self.mixer_name = "linear_attn" if self.kind == "linear_attention" else "self_attn"
+        self.add_module(self.mixer_name, make_mixer(cfg, self.kind))
+        self.mlp = make_ffn(cfg, idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
 
     @property
     def mixer(self) -> nn.Module:
         return getattr(self, self.mixer_name)
 
-    def forward(self, x: torch.Tensor, state, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state, start: int, ids: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer(self.input_layernorm(x), state, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), ids)
+
+
+class HyperBlock(nn.Module):
+    """Pre-norm block on `hc_mult` hyper-connected streams; names are the DeepSeek-V4 checkpoints'."""
+
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        self.kind = cfg.layer_types[idx]
+        self.attn = make_mixer(cfg, self.kind)
+        self.ffn = make_ffn(cfg, idx)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
+        self.hc_attn = HyperConnection(cfg)
+        self.hc_ffn = HyperConnection(cfg)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.attn
+
+    def forward(self, streams: torch.Tensor, state, start: int, ids: torch.Tensor) -> torch.Tensor:
+        x, post, comb = self.hc_attn(streams)
+        streams = HyperConnection.merge(streams, self.attn(self.attn_norm(x), state, start), post, comb)
+        x, post, comb = self.hc_ffn(streams)
+        return HyperConnection.merge(streams, self.ffn(self.ffn_norm(x), ids), post, comb)
 
 
 class HybridModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        block = HyperBlock if cfg.hc_mult > 1 else Block
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.hc_head = HyperHead(cfg) if cfg.hc_mult > 1 else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -70,10 +118,14 @@ class HybridModel(nn.Module):
             input_ids = input_ids[None]
         start = 0 if state is None else state.seq_len
         x = self.embed_tokens(input_ids)
+        if self.hc_head is not None:
+            x = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()  # [B, T, N, D]
         for i, blk in enumerate(self.layers):
-            x = blk(x, None if state is None else state.layers[i], start)
+            x = blk(x, None if state is None else state.layers[i], start, input_ids)
         if state is not None:
             state.seq_len += input_ids.shape[1]
         if last_only:
             x = x[:, -1:]
+        if self.hc_head is not None:
+            x = self.hc_head(x)
         return self.lm_head(self.norm(x))

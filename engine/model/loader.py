@@ -43,11 +43,33 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     state = _to_our_names(cfg, tensors)
     _check(model, state)
     _fuse(model, state)
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
+    model.load_state_dict({k: v.to(device=device, dtype=_param_dtype(cfg, k, v, dtype)) for k, v in state.items()},
                           strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
+
+
+# DeepSeek-V4 keeps these in float32 whatever the model dtype: norms, hyper-connection weights,
+# attention sinks, compressor position biases and the router's correction bias
+_V4_FP32 = re.compile(r"(norm\.weight|hc_(attn|ffn)\.|hc_head\.|attn_sink|\.ape|gate\.bias)")
+
+
+def _param_dtype(cfg: ModelConfig, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    if not t.is_floating_point():
+        return t.dtype
+    if cfg.is_v4 and _V4_FP32.search(name):
+        return torch.float32
+    return dtype
+
+
+# checkpoint name -> ours, for names that differ by more than the family prefix
+_RENAMES = (
+    (re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"\1.hc_\2.\3"),
+    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head.\1"),
+)
+_EXPERT = re.compile(r"(layers\.\d+\.(?:mlp|ffn)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -79,13 +101,15 @@ def _to_our_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[st
             continue
         if key.startswith(prefix):
             name = key[len(prefix):]
-        elif key == "lm_head.weight":
-            name = key
+        elif key in ("lm_head.weight", "head.weight"):
+            name = "lm_head.weight"
         else:
             raise WeightsError(f"unexpected tensor {key!r} (expected names under {prefix!r})")
-        m = re.fullmatch(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        m = _EXPERT.fullmatch(name)
         if m:
-            experts.setdefault((m[1], int(m[2])), {})[m[3]] = t
+            experts.setdefault((m[1], int(m[2])), {})[_EXPERT_PART[m[3]]] = t
             continue
         out[name] = t
     if cfg.tie_word_embeddings:
@@ -101,18 +125,20 @@ def _stack_experts(cfg: ModelConfig, experts: dict, out: dict[str, torch.Tensor]
     for (base, e), parts in experts.items():
         by_layer.setdefault(base, {})[e] = parts
     for base, per_expert in by_layer.items():
-        missing = [f"{cfg.weight_prefix}{base}.{e}.{p}.weight" for e in range(cfg.num_experts)
-                   for p in ("gate_proj", "up_proj", "down_proj") if p not in per_expert.get(e, {})]
+        names = {"gate": "w1", "up": "w3", "down": "w2"} if cfg.is_v4 else \
+            {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+        missing = [f"{cfg.weight_prefix}{base}.{e}.{names[p]}.weight" for e in range(cfg.num_experts)
+                   for p in ("gate", "up", "down") if p not in per_expert.get(e, {})]
         if missing:
             raise WeightsError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         extra = sorted(set(per_expert) - set(range(cfg.num_experts)))
         if extra:
-            raise WeightsError(f"unexpected tensor {cfg.weight_prefix}{base}.{extra[0]}.gate_proj.weight "
+            raise WeightsError(f"unexpected tensor for expert {extra[0]} of {cfg.weight_prefix}{base} "
                                f"(config has {cfg.num_experts} experts)")
         order = range(cfg.num_experts)
         out[f"{base}.gate_up_proj"] = torch.stack(
-            [torch.cat([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], 0) for e in order])
-        out[f"{base}.down_proj"] = torch.stack([per_expert[e]["down_proj"] for e in order])
+            [torch.cat([per_expert[e]["gate"], per_expert[e]["up"]], 0) for e in order])
+        out[f"{base}.down_proj"] = torch.stack([per_expert[e]["down"] for e in order])
 
 
 def _split_fused_gdn(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -37,3 +39,58 @@ class Rotary:
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class InterleavedRotary:
+    """DeepSeek-V4 RoPE: channel pairs (2i, 2i+1) of the *last* `rotary_dim` channels rotate by
+    position * inv_freq[i]; optional YaRN frequencies. Positions are any integer tensor, because
+    compressed entries sit at their window's first position, not at consecutive ones."""
+
+    def __init__(self, rotary_dim: int, spec):
+        self.rotary_dim = rotary_dim
+        self.spec = spec
+        self._inv = None
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        if self._inv is None or self._inv.device != torch.device(device):
+            self._inv = yarn_inv_freq(self.rotary_dim, self.spec, device)
+        return self._inv
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [..., T, H, D] with positions [T]; `inverse` rotates by -angle (undoes the rotation)."""
+        if self.rotary_dim == 0:
+            return x
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq(x.device)[None, :]  # [T, rd/2]
+        cos = angles.cos() * self.spec.attention_factor
+        sin = angles.sin() * self.spec.attention_factor
+        if inverse:
+            sin = -sin
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        rest, rot = x[..., : -self.rotary_dim], x[..., -self.rotary_dim:]
+        pairs = rot.float().unflatten(-1, (-1, 2))  # [..., rd/2, 2]
+        a, b = pairs[..., 0], pairs[..., 1]
+        out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+        return torch.cat([rest, out.to(x.dtype)], dim=-1)
+
+
+def yarn_inv_freq(dim: int, spec, device=None) -> torch.Tensor:
+    """Inverse frequencies for `dim` rotary channels; YaRN blends interpolated (slow) and original
+    (fast) frequencies with a linear ramp between the beta_fast / beta_slow rotation counts."""
+    exps = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    base = spec.theta ** exps
+    inv = 1.0 / base
+    if spec.yarn_factor is None:
+        return inv
+
+    def dim_for(rotations: float) -> float:
+        return dim * math.log(spec.yarn_original_max / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low, high = dim_for(spec.beta_fast), dim_for(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep_original = 1 - ramp
+    return inv / spec.yarn_factor * ramp + inv * keep_original

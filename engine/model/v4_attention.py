@@ -1,0 +1,248 @@
+"""DeepSeek-V4 attention: a sliding-window branch in every layer, plus, by layer kind,
+
+    sliding_attention             window only
+    compressed_sparse_attention   + overlapping compressor (rate m) + lightning indexer top-k
+    heavily_compressed_attention  + non-overlapping compressor (rate m')
+
+Keys and values are one shared vector per position (MQA with K = V). Position bookkeeping, for a
+query at position t and compress rate m:
+
+    window keys      positions (t - W, t]
+    compressed entry i pools window [i*m, (i+1)*m) (CSA: also the previous window's other half)
+                     and is visible to t once that window has closed: i < (t + 1) // m
+    open window      tokens [m * floor((t+1)/m), t] are not compressed yet: the uncompressed tail
+
+Everything remembered between calls lives in a V4AttnState passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.states import CompressedState, V4AttnState, WindowState
+from engine.config import ModelConfig
+from engine.model.norm import RMSNorm
+from engine.model.rope import InterleavedRotary
+
+# queries are processed in blocks of this many positions: the score matrix stays
+# [H, QUERY_BLOCK, W + entries] whatever the sequence length
+QUERY_BLOCK = 256
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a weight, statistics in float32."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Compressor(nn.Module):
+    """Gated pooling of each window of m tokens into one entry (softmax over the window's
+    positions, per channel, with a learned position bias), then RMSNorm and RoPE at the window's
+    first position. `overlap=True` (CSA): each token projects two series, and entry i pools
+    window i's second series together with window i-1's first series (width 2m, stride m)."""
+
+    def __init__(self, cfg: ModelConfig, rate: int, dim: int, overlap: bool, rotary: InterleavedRotary):
+        super().__init__()
+        self.rate, self.dim, self.overlap = rate, dim, overlap
+        width = 2 * dim if overlap else dim
+        self.wkv = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.wgate = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, width))  # position bias inside the window
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+
+    def new_state(self, batch: int, dtype, device) -> CompressedState:
+        width = self.wkv.out_features
+        empty = torch.empty(batch, 0, width, dtype=dtype, device=device)
+        return CompressedState(torch.empty(batch, 0, self.dim, dtype=dtype, device=device), empty, empty.clone())
+
+    def forward(self, x: torch.Tensor, state: CompressedState | None) -> torch.Tensor:
+        """Compress the windows that close within x; return every entry so far, [B, n, D]."""
+        b = x.shape[0]
+        kv, gate = self.wkv(x), self.wgate(x)
+        first = 0
+        if state is not None:
+            kv = torch.cat([state.tail_kv, kv], dim=1)
+            gate = torch.cat([state.tail_gate, gate], dim=1)
+            first = state.count * self.rate
+        usable = kv.shape[1] // self.rate * self.rate
+        if state is not None:
+            state.tail_kv, state.tail_gate = kv[:, usable:].clone(), gate[:, usable:].clone()
+        n = usable // self.rate
+        if n == 0:
+            new = kv.new_zeros(b, 0, self.dim)
+        else:
+            win_kv = kv[:, :usable].view(b, n, self.rate, -1)
+            win_gate = gate[:, :usable].view(b, n, self.rate, -1) + self.ape
+            if self.overlap:
+                win_kv, win_gate = self._pair_windows(win_kv, win_gate, state)
+            weights = win_gate.softmax(dim=2, dtype=torch.float32).to(win_kv.dtype)
+            pooled = self.norm((win_kv * weights).sum(dim=2))  # [B, n, D]
+            positions = first + self.rate * torch.arange(n, device=x.device)
+            new = self.rotary.apply(pooled.unsqueeze(2), positions).squeeze(2)
+        if state is None:
+            return new
+        if n:
+            state.entries = torch.cat([state.entries, new], dim=1)
+        return state.entries
+
+    def _pair_windows(self, win_kv, win_gate, state: CompressedState | None):
+        """[B, n, m, 2D] -> [B, n, 2m, D]: slots [0, m) hold the previous window's first series,
+        slots [m, 2m) this window's second series. Without a previous window the first half has
+        zero values and -inf gates, so it gets no weight."""
+        b, n, m, _ = win_kv.shape
+        d = self.dim
+        kv = win_kv.new_zeros(b, n, 2 * m, d)
+        gate = win_gate.new_full((b, n, 2 * m, d), float("-inf"))
+        kv[:, :, m:], gate[:, :, m:] = win_kv[..., d:], win_gate[..., d:]
+        kv[:, 1:, :m], gate[:, 1:, :m] = win_kv[:, :-1, :, :d], win_gate[:, :-1, :, :d]
+        if state is not None:
+            if state.overlap_kv is not None:
+                kv[:, 0, :m], gate[:, 0, :m] = state.overlap_kv, state.overlap_gate
+            state.overlap_kv = win_kv[:, -1, :, :d].clone()
+            state.overlap_gate = win_gate[:, -1, :, :d].clone()
+        return kv, gate
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: its own overlapping compressor at index_head_dim, and per query the
+    top-k compressed entries by sum_h w_h * relu(q_h . k) among those already closed."""
+
+    def __init__(self, cfg: ModelConfig, rotary: InterleavedRotary):
+        super().__init__()
+        self.rate, self.topk = cfg.csa_rate, cfg.index_topk
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg, self.rate, self.head_dim, overlap=True, rotary=rotary)
+        self.rotary = rotary
+
+    def forward(self, x, q_residual, positions, state: CompressedState | None) -> torch.Tensor:
+        """-> [B, T, k] indices into the compressed entries; -1 where fewer than k are visible."""
+        keys = self.compressor(x, state)  # [B, n, Di]
+        return self.select(self.score(x, q_residual, positions, keys), positions, stable=state is not None)
+
+    def score(self, x, q_residual, positions, keys) -> torch.Tensor:
+        """[B, T, n] index scores; entries not yet closed for a query are -inf."""
+        b, t, _ = x.shape
+        q = self.wq_b(q_residual).view(b, t, self.n_heads, self.head_dim)
+        q = self.rotary.apply(q, positions)
+        scores = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu() * self.head_dim ** -0.5
+        weights = self.weights_proj(x).float() * self.n_heads ** -0.5
+        scores = (scores * weights[..., None]).sum(dim=2)
+        closed = torch.arange(keys.shape[1], device=x.device)[None, :] < ((positions + 1) // self.rate)[:, None]
+        return scores.masked_fill(~closed, float("-inf"))
+
+    def select(self, scores: torch.Tensor, positions: torch.Tensor, stable: bool = True) -> torch.Tensor:
+        k = min(self.topk, scores.shape[-1])
+        if stable:
+            # ties (relu makes exact zeros common) go to the earlier entry, so the selection does
+            # not depend on how many entries exist yet: every stateful path (chunked prefill of any
+            # chunk size, decode, resume) picks the same entries
+            top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        else:
+            # stateless reference mode: torch.topk over the whole row, as transformers does; its
+            # choice among exact ties is arbitrary and depends on the row length
+            top = scores.topk(k, dim=-1).indices
+        visible = (positions + 1) // self.rate
+        return torch.where(top < visible[None, :, None], top, torch.full_like(top, -1))
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.eps = cfg.rms_norm_eps
+        self.o_groups = cfg.o_groups
+        compressed = kind != "sliding_attention"
+        # sliding-only layers use the main rope; layers with a compressor share the compress rope
+        self.rotary = InterleavedRotary(cfg.rotary_dim, cfg.rope_compress if compressed else cfg.rope_main)
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # grouped output projection: each of G head groups to o_lora_rank, then one mix to hidden
+        self.wo_a = nn.Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        self.rate = cfg.compress_rate(kind) if compressed else 0
+        self.compressor = (Compressor(cfg, self.rate, self.head_dim, overlap=kind == "compressed_sparse_attention",
+                                      rotary=self.rotary) if compressed else None)
+        self.indexer = Indexer(cfg, self.rotary) if kind == "compressed_sparse_attention" else None
+
+    def new_state(self, batch: int, dtype, device) -> V4AttnState:
+        window = WindowState(torch.empty(batch, 0, self.head_dim, dtype=dtype, device=device))
+        return V4AttnState(
+            window,
+            self.compressor.new_state(batch, dtype, device) if self.compressor is not None else None,
+            self.indexer.compressor.new_state(batch, dtype, device) if self.indexer is not None else None,
+        )
+
+    def forward(self, x: torch.Tensor, state: V4AttnState | None, start: int = 0) -> torch.Tensor:
+        b, t, _ = x.shape
+        positions = torch.arange(start, start + t, device=x.device)
+        q_res = self.q_norm(self.wq_a(x))
+        q = unit_rms(self.wq_b(q_res).view(b, t, self.n_heads, self.head_dim), self.eps)
+        q = self.rotary.apply(q, positions)  # [B, T, H, D]
+        kv = self.rotary.apply(self.norm(self.wkv(x)).unsqueeze(2), positions).squeeze(2)  # [B, T, D]
+
+        keys, key_start = kv, start
+        if state is not None:
+            keys = torch.cat([state.window.kv, kv], dim=1)
+            key_start = start - state.window.kv.shape[1]
+            keep = max(self.window - 1, 0)
+            state.window.kv = keys[:, keys.shape[1] - min(keep, keys.shape[1]):].clone()
+            state.window.end = start + t
+
+        entries, selected = None, None
+        if self.compressor is not None:
+            entries = self.compressor(x, None if state is None else state.compressor)
+            if self.indexer is not None:
+                selected = self.indexer(x, q_res, positions, None if state is None else state.indexer)
+
+        out = torch.empty(b, t, self.n_heads, self.head_dim, dtype=q.dtype, device=x.device)
+        for lo in range(0, t, QUERY_BLOCK):
+            hi = min(lo + QUERY_BLOCK, t)
+            out[:, lo:hi] = self._attend(q[:, lo:hi], positions[lo:hi], keys, key_start, entries,
+                                         None if selected is None else selected[:, lo:hi])
+        # K = V carries RoPE on its rope slice: rotating the output back by the query's angle
+        # leaves each entry's contribution a function of relative distance only
+        out = self.rotary.apply(out, positions, inverse=True)
+        grouped = out.reshape(b, t, self.o_groups, -1)
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, r, in_per_group]
+        mixed = torch.einsum("btgi,gri->btgr", grouped, w).flatten(2)
+        return self.wo_b(mixed)
+
+    def _attend(self, q, q_pos, keys, key_start, entries, selected):
+        """q [B, Tq, H, D] at positions q_pos -> [B, Tq, H, D] over window keys and visible entries."""
+        scale = self.head_dim ** -0.5
+        lo_pos = max(int(q_pos[0]) - self.window + 1, key_start)
+        k = keys[:, lo_pos - key_start: int(q_pos[-1]) + 1 - key_start]  # [B, Kw, D]
+        k_pos = torch.arange(lo_pos, lo_pos + k.shape[1], device=q.device)
+        # keys (t - W, t]
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - self.window)
+        logits = torch.einsum("bqhd,bkd->bhqk", q, k) * scale
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        values = [k]
+        if entries is not None and entries.shape[1]:
+            n_vis = min((int(q_pos[-1]) + 1) // self.rate, entries.shape[1])
+            e = entries[:, :n_vis]
+            visible = torch.arange(n_vis, device=q.device)[None, :] < ((q_pos + 1) // self.rate)[:, None]
+            vis = visible[None].expand(q.shape[0], -1, -1)  # [B, Tq, n]
+            if selected is not None:
+                chosen = torch.zeros(q.shape[0], q.shape[1], n_vis + 1, dtype=torch.bool, device=q.device)
+                idx = torch.where(selected >= 0, selected.clamp(max=n_vis), n_vis)
+                chosen.scatter_(-1, idx, True)
+                vis = vis & chosen[..., :n_vis]
+            e_logits = torch.einsum("bqhd,bkd->bhqk", q, e) * scale
+            logits = torch.cat([logits, e_logits.masked_fill(~vis[:, None], float("-inf"))], dim=-1)
+            values.append(e)
+        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        logits = torch.cat([logits.float(), sink], dim=-1)
+        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1].to(q.dtype)
+        v = torch.cat(values, dim=1)  # [B, K, D]
+        return torch.einsum("bhqk,bkd->bqhd", probs, v)
