@@ -11,8 +11,54 @@ rebuild each state on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class StateObject:
+    """One piece of per-sequence state, as the cache layer sees it: what it is, where its content
+    comes from, and what it costs. Every layer kind describes its state only through these.
+
+    Token-addressable objects hold `entries` entries; entry i derives from tokens
+    `entry_range(i)`: a window of `span` tokens ending at first + (i + 1) * stride. Objects that
+    are not token-addressable (a recurrent matrix) summarise all of `tokens` at once.
+    """
+
+    layer: int
+    kind: str  # kv | conv | recurrent | window | compressed | tail | overlap | index_keys | index_tail | index_overlap
+    shape: tuple[int, ...]
+    token_addressable: bool
+    tokens: tuple[int, int]  # [lo, hi): the token positions this object's content derives from
+    nbytes: int
+    entries: int = 0
+    stride: int = 1
+    span: int = 1
+    first: int = 0
+
+    def entry_range(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < self.entries:
+            raise IndexError(f"{self.kind} of layer {self.layer} has {self.entries} entries, not {i + 1}")
+        hi = self.first + (i + 1) * self.stride
+        return max(0, hi - self.span), hi
+
+
+class LayerState(Protocol):
+    """What every per-layer state object offers the cache layer."""
+
+    def objects(self, layer: int, seq_len: int) -> list[StateObject]: ...
+    def nbytes(self) -> int: ...
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _tokens(layer: int, kind: str, t: torch.Tensor, first: int, dim: int = 1) -> StateObject:
+    """An object whose entries are single consecutive tokens starting at `first`."""
+    n = t.shape[dim]
+    return StateObject(layer, kind, tuple(t.shape), True, (first, first + n), _nbytes(t), n, 1, 1, first)
 
 
 @dataclass
@@ -50,6 +96,10 @@ class KVState:
         per_pos = self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
         return 2 * per_pos * self.length
 
+    def objects(self, layer: int, seq_len: int) -> list[StateObject]:
+        shape = (2, self.k.shape[0], self.k.shape[1], self.length, self.k.shape[3])
+        return [StateObject(layer, "kv", shape, True, (0, self.length), self.nbytes(), self.length)]
+
 
 @dataclass
 class GDNState:
@@ -64,7 +114,16 @@ class GDNState:
                    torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=device))
 
     def nbytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * 4
+        return _nbytes(self.conv) + _nbytes(self.recurrent)
+
+    def objects(self, layer: int, seq_len: int) -> list[StateObject]:
+        held = self.conv.shape[-1]
+        return [
+            StateObject(layer, "recurrent", tuple(self.recurrent.shape), False, (0, seq_len), _nbytes(self.recurrent)),
+            # the conv window is the last K-1 inputs, but it only means something at exactly seq_len
+            StateObject(layer, "conv", tuple(self.conv.shape), False, (max(0, seq_len - held), seq_len),
+                        _nbytes(self.conv)),
+        ]
 
 
 @dataclass
@@ -77,6 +136,9 @@ class ModelState:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers)
+
+    def objects(self) -> list[StateObject]:
+        return [obj for i, s in enumerate(self.layers) for obj in s.objects(i, self.seq_len)]
 
 
 @dataclass
@@ -91,7 +153,10 @@ class WindowState:
         return self.end - self.kv.shape[1]
 
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return _nbytes(self.kv)
+
+    def objects(self, layer: int, seq_len: int) -> list[StateObject]:
+        return [_tokens(layer, "window", self.kv, self.start)]
 
 
 @dataclass
@@ -100,6 +165,8 @@ class CompressedState:
     uncompressed tail) and, for overlapping (CSA-style) compressors, the overlap slice of the last
     closed window that the next entry pools together with its own tokens."""
 
+    rate: int  # m: tokens per window
+    overlapping: bool  # CSA-style: entry i also pools the second half of window i-1
     entries: torch.Tensor  # [B, n, D]: entry i pools window i, tokens [i*m, (i+1)*m) (+ overlap)
     tail_kv: torch.Tensor  # [B, r, C]: projections of the r < m tokens of the open window
     tail_gate: torch.Tensor  # [B, r, C]: their gate logits (position bias not yet added)
@@ -111,8 +178,21 @@ class CompressedState:
         return self.entries.shape[1]
 
     def nbytes(self) -> int:
-        parts = [self.entries, self.tail_kv, self.tail_gate, self.overlap_kv, self.overlap_gate]
-        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+        return sum(_nbytes(p) for p in (self.entries, self.tail_kv, self.tail_gate, self.overlap_kv, self.overlap_gate))
+
+    def objects(self, layer: int, seq_len: int, prefix: str = "") -> list[StateObject]:
+        m, n = self.rate, self.count
+        span = 2 * m if self.overlapping else m
+        out = [
+            StateObject(layer, prefix + ("keys" if prefix else "compressed"), tuple(self.entries.shape), True,
+                        (0, n * m), _nbytes(self.entries), n, m, span, 0),
+            StateObject(layer, prefix + "tail", (2, *self.tail_kv.shape), True, (n * m, n * m + self.tail_kv.shape[1]),
+                        _nbytes(self.tail_kv) + _nbytes(self.tail_gate), self.tail_kv.shape[1], 1, 1, n * m),
+        ]
+        if self.overlapping and self.overlap_kv is not None:
+            out.append(StateObject(layer, prefix + "overlap", (2, *self.overlap_kv.shape), True, ((n - 1) * m, n * m),
+                                   _nbytes(self.overlap_kv) + _nbytes(self.overlap_gate), m, 1, 1, (n - 1) * m))
+        return out
 
 
 @dataclass
@@ -126,3 +206,11 @@ class V4AttnState:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in (self.window, self.compressor, self.indexer) if s is not None)
+
+    def objects(self, layer: int, seq_len: int) -> list[StateObject]:
+        out = self.window.objects(layer, seq_len)
+        if self.compressor is not None:
+            out += self.compressor.objects(layer, seq_len)
+        if self.indexer is not None:
+            out += self.indexer.objects(layer, seq_len, prefix="index_")
+        return out

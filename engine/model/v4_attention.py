@@ -55,7 +55,8 @@ class Compressor(nn.Module):
     def new_state(self, batch: int, dtype, device) -> CompressedState:
         width = self.wkv.out_features
         empty = torch.empty(batch, 0, width, dtype=dtype, device=device)
-        return CompressedState(torch.empty(batch, 0, self.dim, dtype=dtype, device=device), empty, empty.clone())
+        return CompressedState(self.rate, self.overlap, torch.empty(batch, 0, self.dim, dtype=dtype, device=device),
+                               empty, empty.clone())
 
     def forward(self, x: torch.Tensor, state: CompressedState | None) -> torch.Tensor:
         """Compress the windows that close within x; return every entry so far, [B, n, D]."""
