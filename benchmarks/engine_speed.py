@@ -1,22 +1,27 @@
-"""hcw vs transformers on the same random Qwen3.5-style weights: prefill and decode speed, peak memory.
+"""hcw vs transformers on the same random weights: prefill and decode speed, peak memory, and the
+bytes of per-sequence state by state object.
 
 Both implementations run in this process on the same weights, interleaved, so the ratios hold on
 a noisy machine even when the absolute numbers do not. Peak memory is measured in a fresh child
 process per (implementation, length): the growth of the resident set over the loaded model.
 
-    python benchmarks/engine_speed.py            # writes the engine section of docs/BENCHMARKS.md
-    python benchmarks/engine_speed.py --quick    # 1K/4K only, fewer repeats
+    python benchmarks/engine_speed.py                       # every family; rewrites docs/BENCHMARKS.md sections
+    python benchmarks/engine_speed.py --family deepseek_v4  # one family
+    python benchmarks/engine_speed.py --quick --no-write    # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing as mp
 import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,24 +31,65 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import write_section  # noqa: E402
 from engine import load_model  # noqa: E402
-from engine.engine import Engine, SamplingParams  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.model.random_init import qwen3_5_text_dict  # noqa: E402
 
 VOCAB = 4096
 
 
-def build_pair(folder: Path):
-    """A random transformers Qwen3.5 (hidden 256, 8 layers, 3:1 GDN:attention), saved, loaded by hcw."""
+def _qwen_config():
     import transformers as tf
 
     raw = qwen3_5_text_dict(hidden=256, layers=8, vocab=VOCAB)
     raw.pop("model_type")
+    return tf.Qwen3_5TextConfig(**raw)
+
+
+def _v4_config():
+    import transformers as tf
+
+    csa, hca, swa = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+    return tf.DeepseekV4Config(
+        vocab_size=VOCAB, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=4, head_dim=64, q_lora_rank=128, n_routed_experts=8, num_experts_per_tok=2,
+        sliding_window=128, o_groups=2, o_lora_rank=64, index_n_heads=4, index_head_dim=32, index_topk=64,
+        compress_rates={csa: 4, hca: 128}, layer_types=[swa, csa, hca, csa, hca, csa, hca, swa],
+        mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6, max_position_embeddings=65536,
+        partial_rotary_factor=0.25, hc_mult=4)
+
+
+@dataclass(frozen=True)
+class Family:
+    key: str
+    title: str
+    describe: str
+    hf_class: str
+    make_config: Callable
+    lengths: tuple[int, ...]
+
+
+FAMILIES = {
+    "qwen3_5": Family("qwen3_5", "Qwen3.5-style hybrid",
+                      "Qwen3.5-style, hidden 256, 8 layers, 3:1 GDN:attention, vocab 4096; transformers runs "
+                      "`Qwen3_5ForCausalLM` (sdpa attention, torch GDN path)",
+                      "Qwen3_5ForCausalLM", _qwen_config, (1024, 4096, 16384)),
+    "deepseek_v4": Family("deepseek_v4", "DeepSeek-V4-style",
+                          "DeepSeek-V4-style, hidden 256, 8 layers (2 sliding, 3 CSA m=4, 3 HCA m=128), window 128, "
+                          "index top-64, 4 hyper-connection streams, 8 experts, vocab 4096; transformers runs "
+                          "`DeepseekV4ForCausalLM` (eager, its only path)",
+                          "DeepseekV4ForCausalLM", _v4_config, (1024, 4096)),
+}
+
+
+def build_pair(family: Family, folder: Path):
+    """A random transformers model of `family`, saved to `folder`, and hcw's load of it."""
+    import transformers as tf
+
     torch.manual_seed(0)
-    hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**raw)).eval()
+    hf = getattr(tf, family.hf_class)(family.make_config()).eval()
     if not (folder / "config.json").exists():
         hf.save_pretrained(folder)
-    ours = load_model(folder, dtype="fp32", device="cpu")
-    return hf, ours
+    return hf, load_model(folder, dtype="fp32", device="cpu")
 
 
 @torch.inference_mode()
@@ -88,14 +134,14 @@ def _vm_hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _peak_child(impl: str, folder: str, length: int, queue) -> None:
+def _peak_child(impl: str, family: str, folder: str, length: int, queue) -> None:
     import psutil
 
     torch.set_num_threads(2)
     if impl == "transformers":
         import transformers as tf
 
-        model = tf.Qwen3_5ForCausalLM.from_pretrained(folder).eval()
+        model = getattr(tf, FAMILIES[family].hf_class).from_pretrained(folder).eval()
         run = lambda ids: hf_prefill(model, ids)  # noqa: E731
     else:
         engine = Engine(load_model(folder, dtype="fp32", device="cpu"))
@@ -109,31 +155,25 @@ def _peak_child(impl: str, folder: str, length: int, queue) -> None:
     queue.put(_vm_hwm() - base)
 
 
-def peak_growth(impl: str, folder: Path, length: int) -> int:
+def peak_growth(impl: str, family: Family, folder: Path, length: int) -> int:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_peak_child, args=(impl, str(folder), length, q))
+    p = ctx.Process(target=_peak_child, args=(impl, family.key, str(folder), length, q))
     p.start()
     value = q.get()
     p.join()
     return value
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
-    lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
-    folder = Path(tempfile.mkdtemp(prefix="hcw-bench-"))
-    hf, ours = build_pair(folder)
+def speed_and_memory(family: Family, quick: bool):
+    lengths = family.lengths[:2] if quick else family.lengths
+    folder = Path(tempfile.mkdtemp(prefix=f"hcw-bench-{family.key}-"))
+    hf, ours = build_pair(family, folder)
     engine = Engine(ours)
-
     rows = []
     for n in lengths:
         ids = torch.randint(0, VOCAB, (n,))
-        reps = 2 if n > 8192 else 5
+        reps = 2 if n > 8192 or quick else 5
         hf_prefill(hf, ids[:256]), ours_prefill(engine, ids[:256])  # warm-up
         hf_t, our_t = [], []
         for _ in range(reps):  # interleaved so drift hits both sides alike
@@ -142,9 +182,9 @@ def main() -> None:
         # the minimum of interleaved runs: the least-disturbed run of each side on a shared machine
         h, o = min(hf_t), min(our_t)
         rows.append({"what": f"prefill {n // 1024}K", "transformers_tok_s": n / h, "hcw_tok_s": n / o, "speedup": h / o})
-        print(json.dumps(rows[-1]), flush=True)
+        print(family.key, json.dumps(rows[-1]), flush=True)
 
-    steps = 32 if args.quick else 128
+    steps = 32 if quick else 128
     prompt = torch.randint(0, VOCAB, (512,))
     hf_d, our_d = [], []
     for _ in range(3):
@@ -153,23 +193,41 @@ def main() -> None:
     h, o = min(hf_d), min(our_d)
     rows.append({"what": f"decode ({steps} tokens after 512)", "transformers_tok_s": steps / h,
                  "hcw_tok_s": steps / o, "speedup": h / o})
-    print(json.dumps(rows[-1]), flush=True)
+    print(family.key, json.dumps(rows[-1]), flush=True)
 
     mem = []
     for n in lengths[1:]:
-        hm, om = peak_growth("transformers", folder, n), peak_growth("hcw", folder, n)
+        hm, om = peak_growth("transformers", family, folder, n), peak_growth("hcw", family, folder, n)
         mem.append({"what": f"prefill {n // 1024}K peak growth", "transformers_mib": hm / 2**20,
                     "hcw_mib": om / 2**20, "ratio": om / hm if hm else float("nan")})
-        print(json.dumps(mem[-1]), flush=True)
+        print(family.key, json.dumps(mem[-1]), flush=True)
+    return rows, mem, ours
 
-    if args.no_write:
-        return
+
+def state_bytes(model, marks: tuple[int, ...]) -> dict[int, dict[str, float]]:
+    """Bytes per context token of each state object kind, read off the real state at each mark."""
+    engine = Engine(model)
+    state = engine.new_state()
+    out = {}
+    done = 0
+    for mark in marks:
+        engine.prefill(torch.randint(0, VOCAB, (mark - done,)).tolist(), state, chunk_size=1024)
+        done = mark
+        by_kind: dict[str, int] = collections.defaultdict(int)
+        for obj in state.objects():
+            by_kind[obj.kind] += obj.nbytes
+        out[mark] = {k: v / mark for k, v in sorted(by_kind.items())}
+        print("state bytes", mark, json.dumps(out[mark]), flush=True)
+    return out
+
+
+def _speed_table(family: Family, rows: list[dict], mem: list[dict]) -> str:
     lines = [
-        "Same random weights (Qwen3.5-style, hidden 256, 8 layers, 3:1 GDN:attention, vocab 4096), fp32, CPU,",
-        f"2 threads, {platform.processor() or platform.machine()}, torch {torch.__version__}. transformers runs its own",
-        "pure-torch path (`Qwen3_5ForCausalLM`, sdpa attention, `logits_to_keep=1` for prefill, its cache for decode).",
-        "Each row is the best of several interleaved runs of both sides in one process; absolute tokens/s",
-        "move with the machine's load, the ratios much less.",
+        f"Same random weights ({family.describe}), fp32, CPU, 2 threads, "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}. Prefill: `logits_to_keep=1` for",
+        "transformers, one chunk for hcw; decode: each side's own cache. Each row is the best of several",
+        "interleaved runs of both sides in one process; absolute tokens/s move with the machine's load, the",
+        "ratios much less.",
         "",
         "| measurement | transformers tok/s | hcw tok/s | hcw speed-up |",
         "|---|---:|---:|---:|",
@@ -178,7 +236,39 @@ def main() -> None:
     lines += ["", "| peak memory (growth over the loaded model) | transformers MiB | hcw MiB | hcw / transformers |",
               "|---|---:|---:|---:|"]
     lines += [f"| {m['what']} | {m['transformers_mib']:.0f} | {m['hcw_mib']:.0f} | {m['ratio']:.2f} |" for m in mem]
-    write_section("engine", "Engine vs transformers (`benchmarks/engine_speed.py`)", "\n".join(lines))
+    return "\n".join(lines)
+
+
+def _bytes_table(family: Family, per_mark: dict[int, dict[str, float]]) -> str:
+    kinds = sorted({k for d in per_mark.values() for k in d})
+    marks = sorted(per_mark)
+    lines = [f"{family.describe.split(';')[0]}, fp32: bytes of per-sequence state per context token, summed over",
+             "layers, read from the state objects after a chunked prefill to each length.",
+             "", "| state object | " + " | ".join(f"{m // 1024}K ctx, B/token" for m in marks) + " |",
+             "|---|" + "---:|" * len(marks)]
+    for k in kinds:
+        lines.append(f"| {k} | " + " | ".join(f"{per_mark[m].get(k, 0):.1f}" for m in marks) + " |")
+    lines.append("| **total** | " + " | ".join(f"{sum(per_mark[m].values()):.1f}" for m in marks) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=["all", *FAMILIES], default="all")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    marks = (1024, 4096) if args.quick else (1024, 8192, 32768)
+    for key in FAMILIES if args.family == "all" else [args.family]:
+        family = FAMILIES[key]
+        rows, mem, ours = speed_and_memory(family, args.quick)
+        per_mark = state_bytes(ours, marks)
+        if not args.no_write:
+            write_section(f"engine-{key}", f"{family.title}: hcw vs transformers (`benchmarks/engine_speed.py`)",
+                          _speed_table(family, rows, mem))
+            write_section(f"state-bytes-{key}", f"{family.title}: state bytes per token by state object "
+                          "(`benchmarks/engine_speed.py`)", _bytes_table(family, per_mark))
 
 
 if __name__ == "__main__":
