@@ -121,3 +121,37 @@ def test_bad_v4_configs_are_refused(over, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_v4_raw(**over)))
     with pytest.raises(ConfigError, match=message):
         load_model(tmp_path, device="cpu")
+
+
+def test_hcw_generate_greedy_equals_transformers(tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    hf = ref.build_v4(seed=8)
+    folder = ref.save(hf, tmp_path / "v4cli")
+    prompt = [4, 8, 15, 16, 23, 42, 7, 9, 11]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    res = CliRunner().invoke(app, ["generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, prompt)),
+                                   "--max-new-tokens", "10", "--greedy", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    # the folder's eos (id 1) may legitimately stop us early; transformers was told to ignore it
+    assert report["token_ids"] == expected[: len(report["token_ids"])]
+    assert report["stop_reason"] == "length" or report["token_ids"][-1] == 1
+
+
+def test_bf16_keeps_v4_float32_parameters_and_runs_close(v4, tmp_path):
+    hf, model32 = v4
+    model16 = load_model(ref.save(hf, tmp_path / "bf16"), dtype="bf16", device="cpu")
+    params = dict(model16.named_parameters())
+    assert params["layers.1.attn.wq_a.weight"].dtype == torch.bfloat16
+    for name in ("layers.1.attn.attn_sink", "layers.1.attn.compressor.ape", "layers.1.hc_attn.fn",
+                 "layers.1.attn_norm.weight", "hc_head.fn"):
+        assert params[name].dtype == torch.float32, name
+    ids = torch.randint(0, 97, (50,))
+    a, b = model32(ids), model16(ids).float()
+    assert torch.isfinite(b).all()
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item() + 0.02
