@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.cache.prefix_cache import PrefixCache, RequestWriter
+from engine.cache.validation import ReusePlan
 from engine.cache.states import ModelState
 from engine.config import EngineConfig
 from engine.model.hybrid import HybridModel
@@ -62,12 +64,18 @@ class Generation:
     token_ids: list[int]
     stop_reason: str  # "length" | "stop" | "context"
     timings: Timings = field(default_factory=Timings)
+    state: ModelState | None = field(default=None, repr=False)  # describes prompt + token_ids[:-1]
+    plan: ReusePlan | None = None  # the cache's plan for the prompt, when a cache is in use
 
 
 class Engine:
-    def __init__(self, model: HybridModel, config: EngineConfig | None = None):
+    def __init__(self, model: HybridModel, config: EngineConfig | None = None, cache: PrefixCache | None = None):
         self.model = model
         self.config = config or EngineConfig(dtype=model.dtype, device=str(model.device))
+        self.cache = cache
+
+    def metrics(self) -> dict:
+        return self.cache.metrics.as_dict() if self.cache is not None else {}
 
     @property
     def context_limit(self) -> int:
@@ -86,8 +94,10 @@ class Engine:
         if len(ids) > self.context_limit:
             raise PromptError(f"the prompt has {len(ids)} tokens, past the context limit of {self.context_limit}")
 
-    def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None) -> torch.Tensor:
-        """Run `ids` through the model in chunks, advancing `state`; return the last token's logits."""
+    def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
+                on_boundary: Callable[[ModelState], None] | None = None, block_size: int = 0) -> torch.Tensor:
+        """Run `ids` through the model in chunks, advancing `state`; return the last token's logits.
+        With `on_boundary`, chunks also end at every multiple of `block_size`, where it is called."""
         if len(ids) == 0:
             raise PromptError("nothing to prefill")
         if state.seq_len + len(ids) > self.context_limit:
@@ -95,24 +105,50 @@ class Engine:
         chunk = chunk_size or self.config.prefill_chunk_size
         tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.model.device)
         logits = None
-        for lo in range(0, len(tokens), chunk):
-            logits = self.model(tokens[lo:lo + chunk], state, last_only=True)
+        lo = 0
+        while lo < len(tokens):
+            hi = min(lo + chunk, len(tokens))
+            if on_boundary is not None:
+                next_boundary = (state.seq_len // block_size + 1) * block_size
+                hi = min(hi, lo + next_boundary - state.seq_len)
+            logits = self.model(tokens[lo:hi], state, last_only=True)
+            if on_boundary is not None and state.seq_len % block_size == 0:
+                on_boundary(state)
+            lo = hi
         return logits[0, -1]
 
     def decode(self, token: int, state: ModelState) -> torch.Tensor:
         tokens = torch.tensor([[token]], dtype=torch.long, device=self.model.device)
         return self.model(tokens, state)[0, -1]
 
+    def start(self, prompt_ids: Sequence[int], state: ModelState | None = None) -> Started:
+        """Check the prompt, reuse what the cache can prove usable, prefill the rest."""
+        self.check_prompt(prompt_ids)
+        fed = list(prompt_ids)
+        writer, plan = None, None
+        if state is None and self.cache is not None:
+            plan, state = self.cache.lookup(fed)
+            writer = self.cache.writer(plan)
+        state = state or self.new_state()
+        started = Started(None, state, fed, writer, plan)
+        if writer is None:
+            logits = self.prefill(fed[state.seq_len:], state)
+        else:
+            logits = self.prefill(fed[state.seq_len:], state, on_boundary=started.capture,
+                                  block_size=self.cache.block_size)
+        started.logits = logits
+        return started
+
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, state: ModelState | None = None) -> Generation:
-        self.check_prompt(prompt_ids)
-        state = state or self.new_state()
         stops = set(params.stop_ids) | set(self.model.config.eos_token_ids)
         sampler = Sampler(params, self.model.device)
         timings = Timings(prompt_n=len(prompt_ids))
 
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids, state)
+        run = self.start(prompt_ids, state)
+        state, logits = run.state, run.logits
+        timings.cache_n = run.plan.usable_tokens if run.plan is not None else 0
         timings.prompt_ms = 1000 * (time.perf_counter() - t0)
 
         out: list[int] = []
@@ -132,9 +168,33 @@ class Engine:
                 reason = "context"
                 break
             logits = self.decode(token, state)
+            run.fed.append(token)
+            if run.writer is not None and state.seq_len % self.cache.block_size == 0:
+                run.capture(state)
         timings.predicted_ms = 1000 * (time.perf_counter() - t0)
         timings.predicted_n = len(out)
-        return Generation(out, reason, timings)
+        run.finish()
+        return Generation(out, reason, timings, state, run.plan)
+
+
+@dataclass
+class Started:
+    """A prompt that has been through the cache and prefill: its last logits, its state, and the
+    recorder that stores its segments as generation crosses their boundaries."""
+
+    logits: torch.Tensor | None
+    state: ModelState
+    fed: list[int]  # every token that has gone through the model, in order
+    writer: RequestWriter | None
+    plan: ReusePlan | None
+
+    def capture(self, state: ModelState) -> None:
+        if self.writer is not None:
+            self.writer.capture(state, self.fed)
+
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.finish()
 
 
 class Sampler:

@@ -44,11 +44,42 @@ class StateObject:
         return max(0, hi - self.span), hi
 
 
+@dataclass(frozen=True)
+class Piece:
+    """What the cache keeps of one state kind for one segment [lo, hi).
+
+    per_segment: the slice produced by the segment's own tokens (KV, compressed entries, index
+    keys); a prefix needs the pieces of every segment before it. Otherwise a snapshot of the
+    state exactly at hi (GDN recurrent and conv, SWA window, tails, overlaps); a prefix ending
+    at hi needs that one snapshot. `data` is a tensor, a tuple of tensors, or None (the state is
+    legitimately empty there, e.g. no overlap before the first window closes)."""
+
+    per_segment: bool
+    data: object
+
+    def nbytes(self) -> int:
+        items = self.data if isinstance(self.data, tuple) else (self.data,)
+        return sum(_nbytes(t) for t in items if t is not None)
+
+
 class LayerState(Protocol):
     """What every per-layer state object offers the cache layer."""
 
     def objects(self, layer: int, seq_len: int) -> list[StateObject]: ...
     def nbytes(self) -> int: ...
+    # copies of this state's pieces for the segment [lo, hi); the state's seq_len must be hi
+    def export(self, lo: int, hi: int) -> dict[str, Piece]: ...
+    # a new state at seq_len from pieces (per-segment kinds: a list in segment order), with this
+    # (fresh) state as the template for shapes, dtypes and rates
+    def assemble(self, seq_len: int, pieces: dict[str, object]) -> LayerState: ...
+
+
+def _clone(x):
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(_clone(t) for t in x)
+    return x.clone()
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -100,6 +131,15 @@ class KVState:
         shape = (2, self.k.shape[0], self.k.shape[1], self.length, self.k.shape[3])
         return [StateObject(layer, "kv", shape, True, (0, self.length), self.nbytes(), self.length)]
 
+    def export(self, lo: int, hi: int) -> dict[str, Piece]:
+        return {"kv": Piece(True, (self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone()))}
+
+    def assemble(self, seq_len: int, pieces: dict[str, object]) -> KVState:
+        parts = pieces["kv"]
+        k = torch.cat([p[0] for p in parts], dim=2)
+        v = torch.cat([p[1] for p in parts], dim=2)
+        return KVState(k, v, seq_len)
+
 
 @dataclass
 class GDNState:
@@ -124,6 +164,12 @@ class GDNState:
             StateObject(layer, "conv", tuple(self.conv.shape), False, (max(0, seq_len - held), seq_len),
                         _nbytes(self.conv)),
         ]
+
+    def export(self, lo: int, hi: int) -> dict[str, Piece]:
+        return {"recurrent": Piece(False, self.recurrent.clone()), "conv": Piece(False, self.conv.clone())}
+
+    def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:
+        return GDNState(conv=pieces["conv"].clone(), recurrent=pieces["recurrent"].clone())
 
 
 @dataclass
@@ -157,6 +203,12 @@ class WindowState:
 
     def objects(self, layer: int, seq_len: int) -> list[StateObject]:
         return [_tokens(layer, "window", self.kv, self.start)]
+
+    def export(self, lo: int, hi: int) -> dict[str, Piece]:
+        return {"window": Piece(False, self.kv.clone())}
+
+    def assemble(self, seq_len: int, pieces: dict[str, object]) -> WindowState:
+        return WindowState(pieces["window"].clone(), seq_len)
 
 
 @dataclass
@@ -194,6 +246,23 @@ class CompressedState:
                                    _nbytes(self.overlap_kv) + _nbytes(self.overlap_gate), m, 1, 1, (n - 1) * m))
         return out
 
+    def export(self, lo: int, hi: int, prefix: str = "") -> dict[str, Piece]:
+        m = self.rate
+        out = {
+            prefix + ("keys" if prefix else "compressed"): Piece(True, self.entries[:, lo // m: hi // m].clone()),
+            prefix + "tail": Piece(False, (self.tail_kv.clone(), self.tail_gate.clone())),
+        }
+        if self.overlapping:
+            out[prefix + "overlap"] = Piece(False, _clone((self.overlap_kv, self.overlap_gate))
+                                            if self.overlap_kv is not None else None)
+        return out
+
+    def assemble(self, seq_len: int, pieces: dict[str, object], prefix: str = "") -> CompressedState:
+        entries = torch.cat([self.entries, *pieces[prefix + ("keys" if prefix else "compressed")]], dim=1)
+        tail_kv, tail_gate = _clone(pieces[prefix + "tail"])
+        overlap = _clone(pieces.get(prefix + "overlap")) or (None, None)
+        return CompressedState(self.rate, self.overlapping, entries, tail_kv, tail_gate, *overlap)
+
 
 @dataclass
 class V4AttnState:
@@ -214,3 +283,18 @@ class V4AttnState:
         if self.indexer is not None:
             out += self.indexer.objects(layer, seq_len, prefix="index_")
         return out
+
+    def export(self, lo: int, hi: int) -> dict[str, Piece]:
+        out = self.window.export(lo, hi)
+        if self.compressor is not None:
+            out |= self.compressor.export(lo, hi)
+        if self.indexer is not None:
+            out |= self.indexer.export(lo, hi, prefix="index_")
+        return out
+
+    def assemble(self, seq_len: int, pieces: dict[str, object]) -> V4AttnState:
+        return V4AttnState(
+            self.window.assemble(seq_len, pieces),
+            self.compressor.assemble(seq_len, pieces) if self.compressor is not None else None,
+            self.indexer.assemble(seq_len, pieces, prefix="index_") if self.indexer is not None else None,
+        )

@@ -1,0 +1,201 @@
+"""PrefixCache: the one object the engine talks to for reuse.
+
+    lookup(prompt)  PrefixIndex.match (logical hit) -> Validator.plan (usable hit, ReusePlan)
+                    -> pin + version check -> assemble a ModelState (layer-4 buffer checks) -> event
+    writer(plan)    a per-request recorder: at every segment boundary the engine crosses it stores
+                    each layer's pieces (through the state interface only); at the request's end
+                    it keeps boundary snapshots (checkpoints) only every K segments, at the request
+                    end and at the branch point, and drops the rest
+
+Nothing here knows a model family: pieces are (layer, kind) -> states.Piece, and a missing kind
+is routed by kind (recovery.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from engine.cache.prefix_index import ROOT, PrefixIndex
+from engine.cache.state_table import StateTable
+from engine.cache.states import ModelState
+from engine.cache.validation import Requirement, ReusePlan, Validator, check_buffer
+from engine.events import CacheLookup
+from engine.metrics import CacheMetrics
+
+LAYOUT_VERSION = 1  # bump when a state piece's layout changes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 64
+    budget_bytes: int = 1 << 30
+    checkpoint_every: int = 4  # boundary snapshots kept every K segments (plus request ends, branch points)
+    reuse: str = "exact"  # "exact" | "off"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be >= 1")
+        if self.reuse not in ("exact", "off"):
+            raise ValueError(f"reuse must be 'exact' or 'off', got {self.reuse!r}")
+
+
+def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
+    """Model + layout identity: config, dtype, block size, layout version and a digest of the
+    weights (their bytes, sampled so that it stays cheap for large models)."""
+    mc = model.config
+    desc = {"layout_version": LAYOUT_VERSION, "block_size": cfg.block_size, "dtype": str(model.dtype),
+            "config": {k: v for k, v in asdict(mc).items() if k != "extra"}}
+    h = hashlib.blake2b(json.dumps(desc, sort_keys=True, default=str).encode(), digest_size=16)
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
+        h.update(name.encode())
+        h.update(sample)
+    return h.digest()
+
+
+class PrefixCache:
+    def __init__(self, model, config: CacheConfig | None = None):
+        self.config = config or CacheConfig()
+        self.model = model
+        self.template = model.new_state()
+        self.layout = layout_fingerprint(model, self.config)
+        self.index = PrefixIndex(self.config.block_size, self.layout)
+        self.table = StateTable(self.config.budget_bytes)
+        self.table.on_evict = self.index.remove
+        self.template_pieces = [s.export(0, 0) for s in self.template.layers]
+        reqs = [Requirement(i, kind, piece.per_segment)
+                for i, pieces in enumerate(self.template_pieces) for kind, piece in pieces.items()]
+        self.validator = Validator(self.config.block_size, self.layout, reqs)
+        self.metrics = CacheMetrics()
+        self.events: deque[CacheLookup] = deque(maxlen=1000)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[ReusePlan, ModelState]:
+        step = self.table.tick()
+        abandoned: list[str] = []
+        for _attempt in range(3):
+            match = self.index.match(tokens)
+            if self.config.reuse == "off":
+                match = match._replace(segments=[])
+            plan = self.validator.plan(len(tokens), match, self.table)
+            state, why = self._restore(plan)
+            if state is not None:
+                break
+            abandoned.append(why)
+            self.metrics.replans += 1
+        else:
+            plan = self.validator.plan(len(tokens), match._replace(segments=[]), self.table)
+            state = self.model.new_state()
+            abandoned.append("gave up reuse after repeated re-plans")
+        event = CacheLookup(step, plan, "; ".join(abandoned))
+        self.events.append(event)
+        self.metrics.record(event)
+        return plan, state
+
+    def _restore(self, plan: ReusePlan) -> tuple[ModelState | None, str]:
+        """Assemble the plan's prefix. Returns (None, reason) when the plan went stale (a record
+        changed between check and use) or a buffer failed layer 4; the caller re-plans."""
+        if not plan.usable_tokens:
+            return self.model.new_state(), ""
+        keys = list(plan.keys)
+        self.table.pin(keys)  # from here to the end of assembly nothing can evict them
+        try:
+            records = [self.table.get(k) for k in keys]
+            versions = [r.version for r in records]
+            layers = []
+            for i, template in enumerate(self.template.layers):
+                pieces = {}
+                for kind, tp in self.template_pieces[i].items():
+                    owners = records if tp.per_segment else records[-1:]
+                    for rec in owners:
+                        bad = self._check(rec.pieces[(i, kind)].data, tp.data)
+                        if bad:
+                            # a buffer compute cannot take is treated as absent: drop it and re-plan
+                            self.table.drop(rec.key, lambda layer, k, p, key=(i, kind): (layer, k) == key)
+                            self.metrics.validation_failures["layer 4"] += 1
+                            return None, f"layer 4: layer {i} {kind}: {bad}"
+                    datas = [r.pieces[(i, kind)].data for r in owners]
+                    pieces[kind] = datas if tp.per_segment else datas[0]
+                layers.append(template.assemble(plan.usable_tokens, pieces))
+            if [r.version for r in records] != versions:
+                return None, "a record changed between check and use"
+            self.before_use(plan)
+            if [r.version for r in records] != versions:
+                self.metrics.validation_failures["temporal"] += 1
+                return None, "a record changed between check and use"
+            for r in records:
+                self.table.touch(r)
+            return ModelState(layers, plan.usable_tokens), ""
+        finally:
+            self.table.unpin(keys)
+
+    def before_use(self, plan: ReusePlan) -> None:
+        """Called after assembly, before the state is used; a seam for fault drills."""
+
+    def _check(self, data, template_data) -> str | None:
+        tensors = data if isinstance(data, tuple) else (data,)
+        likes = template_data if isinstance(template_data, tuple) else (template_data,) * len(tensors)
+        for t, like in zip(tensors, likes):
+            if t is not None:
+                why = check_buffer(t, like, self.model.device)
+                if why:
+                    return why
+        return None
+
+    def writer(self, plan: ReusePlan) -> RequestWriter:
+        return RequestWriter(self, plan)
+
+
+class RequestWriter:
+    """Records one request's segments as the engine crosses their boundaries."""
+
+    def __init__(self, cache: PrefixCache, plan: ReusePlan):
+        self.cache = cache
+        self.parent = plan.keys[-1] if plan.keys else ROOT
+        self.next_index = plan.usable_tokens // cache.block_size
+        self.captured: list[tuple[bytes, int]] = []  # (key, segment index) whose snapshots we added
+
+    def capture(self, state: ModelState, tokens: Sequence[int]) -> None:
+        """Called whenever state.seq_len is a multiple of the block size."""
+        if self.cache.config.reuse == "off":
+            return
+        b = self.cache.block_size
+        hi = state.seq_len
+        j = hi // b - 1
+        if j != self.next_index or hi == 0:
+            return
+        node = self.cache.index.insert(self.parent, j, tokens[hi - b:hi])
+        self.next_index += 1
+        if node is None:  # collision: the chain stops here for this request
+            self.next_index = -1
+            return
+        self.parent = node.key
+        before = self.cache.table.get(node.key)
+        had = set(before.pieces) if before is not None else set()
+        pieces = {(i, kind): piece for i, layer in enumerate(state.layers)
+                  for kind, piece in layer.export(hi - b, hi).items()}
+        self.cache.table.put(node.key, j, self.cache.layout, pieces)
+        if any(not p.per_segment and k not in had for k, p in pieces.items()):
+            self.captured.append((node.key, j))
+
+    def finish(self) -> None:
+        """Keep boundary snapshots only every K segments, at the request end and at the branch
+        point (the first boundary this request wrote); drop the others it wrote."""
+        if not self.captured:
+            return
+        every = self.cache.config.checkpoint_every
+        keep = {self.captured[0][0], self.captured[-1][0]}
+        for key, j in self.captured:
+            if key in keep or (j + 1) % every == 0:
+                continue
+            self.cache.table.drop(key, lambda layer, kind, piece: not piece.per_segment)

@@ -1,0 +1,125 @@
+"""Prefix index: which whole segments of a token sequence have been computed before.
+
+Segment j covers tokens [j*B, (j+1)*B). Its key chains the parent's key, the model + layout
+fingerprint and the segment's token ids through a 128-bit hash, so equal keys mean equal
+prefixes under the same model and layout. A hash is never trusted alone: every hit compares the
+stored token ids with the request's, and a mismatch (a collision) ends the match.
+
+    root -> [seg 0] -> [seg 1] -> [seg 2a]      branches share every segment before
+                              \\-> [seg 2b]      the one where they differ
+
+A match reports the *logical* hit: verified whole segments, plus how far the tokens agree inside
+the next segment (token-level longest match). Only the validator decides what is usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+ROOT = b"\x00" * 16
+
+
+def segment_hash(parent: bytes, fingerprint: bytes, tokens: Sequence[int]) -> bytes:
+    h = xxhash.xxh3_128()
+    h.update(parent)
+    h.update(fingerprint)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class SegmentNode:
+    key: bytes
+    parent: bytes
+    index: int  # segment number: tokens [index*B, (index+1)*B)
+    tokens: tuple[int, ...]
+    children: dict[bytes, SegmentNode] = field(default_factory=dict)
+
+
+class MatchResult(NamedTuple):
+    segments: list[SegmentNode]  # verified whole segments, in order from the start
+    logical_tokens: int  # tokens that agree with something cached, whole segments or not
+    collisions: int  # hash hits rejected because the stored tokens differ
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, fingerprint: bytes,
+                 hash_fn: Callable[[bytes, bytes, Sequence[int]], bytes] = segment_hash):
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.hash_fn = hash_fn
+        self.nodes: dict[bytes, SegmentNode] = {}
+        self.roots: dict[bytes, SegmentNode] = {}
+        self.collisions = 0
+
+    def keys_for(self, tokens: Sequence[int]) -> list[bytes]:
+        """Chained keys of every whole segment of `tokens`."""
+        keys, parent, b = [], ROOT, self.block_size
+        for j in range(len(tokens) // b):
+            parent = self.hash_fn(parent, self.fingerprint, tokens[j * b:(j + 1) * b])
+            keys.append(parent)
+        return keys
+
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        b = self.block_size
+        found: list[SegmentNode] = []
+        collisions = 0
+        for j, key in enumerate(self.keys_for(tokens)):
+            node = self.nodes.get(key)
+            if node is None:
+                break
+            if node.tokens != tuple(tokens[j * b:(j + 1) * b]):
+                collisions += 1
+                break
+            found.append(node)
+        self.collisions += collisions
+        logical = len(found) * b
+        # token-level: how far the next (partial or unmatched) segment agrees with a cached child
+        siblings = found[-1].children.values() if found else self.roots.values()
+        rest = tokens[logical:logical + b]
+        best = 0
+        for child in siblings:
+            n = 0
+            for a, c in zip(rest, child.tokens):
+                if a != c:
+                    break
+                n += 1
+            best = max(best, n)
+        return MatchResult(found, logical + best, collisions)
+
+    def insert(self, parent: bytes, index: int, seg_tokens: Sequence[int]) -> SegmentNode | None:
+        """Register segment `index` (its tokens) under `parent` (ROOT for the first). Returns the
+        node, existing or new, or None when the key is taken by other tokens (a collision)."""
+        seg = tuple(seg_tokens)
+        if len(seg) != self.block_size:
+            raise ValueError(f"a segment has {self.block_size} tokens, got {len(seg)}")
+        key = self.hash_fn(parent, self.fingerprint, seg)
+        node = self.nodes.get(key)
+        if node is not None:
+            if node.tokens != seg or node.index != index:
+                self.collisions += 1
+                return None
+            return node
+        node = SegmentNode(key, parent, index, seg)
+        self.nodes[key] = node
+        if index == 0:
+            self.roots[key] = node
+        elif parent in self.nodes:
+            self.nodes[parent].children[key] = node
+        return node
+
+    def remove(self, key: bytes) -> None:
+        node = self.nodes.pop(key, None)
+        if node is None:
+            return
+        self.roots.pop(key, None)
+        parent = self.nodes.get(node.parent)
+        if parent is not None:
+            parent.children.pop(key, None)

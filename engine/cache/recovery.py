@@ -1,0 +1,43 @@
+"""Five-state routing: one recovery path per state kind, dispatched by kind, never a generic
+fallback. The validator asks `route(kind)` what to do when a piece a hit needs is missing.
+
+Every path here is exact: it moves the resume point back to where the state exists and
+recomputes forward (the approximate path, tail replay, is separate and opt-in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str  # what recovery does, as the plan and the events name it
+    per_segment: bool  # the piece is a per-segment slice (else a snapshot at a segment end)
+
+
+ROUTES: dict[str, Route] = {
+    # GDN states are not token-addressable: resume at the nearest earlier checkpoint, replay from there
+    "recurrent": Route("replay from the nearest earlier checkpoint", False),
+    "conv": Route("replay from the nearest earlier checkpoint", False),
+    # token-addressable KV: recompute the tokens of the first segment whose KV is gone
+    "kv": Route("recompute from the first segment missing KV", True),
+    # compressed entries are rebuilt only from the layer's inputs, which are not kept: recompute
+    "compressed": Route("recompute from the first segment missing compressed entries", True),
+    # the open window's raw tokens: resume at an earlier boundary and recompute the tail tokens
+    "tail": Route("recompute the uncompressed tail from an earlier boundary", False),
+    "overlap": Route("recompute the overlap window from an earlier boundary", False),
+    # the sliding window must be aligned to the resume point: redraw it at an earlier boundary
+    "window": Route("redraw the sliding window at an earlier boundary", False),
+    # indexer keys come from the compressed inputs, never from KV alone: recompute them
+    "index_keys": Route("recompute indexer keys from the first segment missing them", True),
+    "index_tail": Route("recompute the indexer tail from an earlier boundary", False),
+    "index_overlap": Route("recompute the indexer overlap from an earlier boundary", False),
+}
+
+
+def route(kind: str) -> Route:
+    try:
+        return ROUTES[kind]
+    except KeyError:
+        raise KeyError(f"no recovery route for state kind {kind!r}; every kind needs its own") from None

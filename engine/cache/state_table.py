@@ -1,0 +1,133 @@
+"""State table: per cached segment, which state pieces exist, their version and last use.
+
+A record holds the segment's pieces per (layer, kind) (see `states.Piece`): per-segment slices
+(KV, compressed entries, index keys) and boundary snapshots at the segment's end (GDN checkpoint,
+SWA window, tails, overlaps). Presence is read off the pieces themselves, never kept twice.
+Records are evicted least-recently-used under a byte budget; a pinned record is never evicted.
+Every change to a record's pieces bumps its version, so a plan made before the change can tell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import psutil
+
+from engine.cache.states import Piece
+
+PieceKey = tuple[int, str]  # (layer, kind)
+
+
+@dataclass(eq=False)
+class SegmentRecord:
+    key: bytes
+    index: int
+    layout: bytes  # layout fingerprint the pieces were written under
+    pieces: dict[PieceKey, Piece] = field(default_factory=dict)
+    version: int = 0
+    tier: str = "device"
+    written_step: int = 0
+    last_access_step: int = 0
+    pins: int = 0
+
+    def has(self, layer: int, kind: str) -> bool:
+        return (layer, kind) in self.pieces
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.pieces.values())
+
+    def drop(self, predicate) -> int:
+        """Remove the pieces `predicate(layer, kind, piece)` selects; returns bytes freed."""
+        doomed = [k for k, p in self.pieces.items() if predicate(k[0], k[1], p)]
+        freed = sum(self.pieces.pop(k).nbytes() for k in doomed)
+        if doomed:
+            self.version += 1
+        return freed
+
+
+class StateTable:
+    def __init__(self, budget_bytes: int):
+        if budget_bytes <= 0:
+            raise ValueError("the cache budget must be > 0 bytes")
+        available = psutil.virtual_memory().available
+        if budget_bytes > available:
+            raise ValueError(f"cache budget {budget_bytes} B exceeds the {available} B of memory available")
+        self.budget = budget_bytes
+        self.records: dict[bytes, SegmentRecord] = {}
+        self.used = 0
+        self.step = 0
+        self.evictions = 0
+        self.on_evict = None  # called with each evicted key (the prefix index forgets it)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.records
+
+    def get(self, key: bytes) -> SegmentRecord | None:
+        return self.records.get(key)
+
+    def tick(self) -> int:
+        self.step += 1
+        return self.step
+
+    def touch(self, record: SegmentRecord) -> None:
+        record.last_access_step = self.step
+
+    def put(self, key: bytes, index: int, layout: bytes, pieces: dict[PieceKey, Piece]) -> SegmentRecord:
+        """Add pieces to the segment's record (creating it); existing pieces are kept."""
+        rec = self.records.get(key)
+        if rec is None:
+            rec = self.records[key] = SegmentRecord(key, index, layout, written_step=self.step)
+        added = {k: p for k, p in pieces.items() if k not in rec.pieces}
+        if added:
+            rec.pieces.update(added)
+            rec.version += 1
+            self.used += sum(p.nbytes() for p in added.values())
+        self.touch(rec)
+        self.enforce_budget()
+        return rec
+
+    def drop(self, key: bytes, predicate) -> None:
+        rec = self.records.get(key)
+        if rec is not None:
+            self.used -= rec.drop(predicate)
+
+    def remove(self, key: bytes) -> SegmentRecord | None:
+        rec = self.records.pop(key, None)
+        if rec is not None:
+            self.used -= rec.nbytes()
+        return rec
+
+    def set_budget(self, budget_bytes: int) -> list[bytes]:
+        self.budget = budget_bytes
+        return self.enforce_budget()
+
+    def enforce_budget(self) -> list[bytes]:
+        """Evict unpinned records, least recently used first, until within budget."""
+        evicted = []
+        if self.used <= self.budget:
+            return evicted
+        for rec in sorted(self.records.values(), key=lambda r: r.last_access_step):
+            if self.used <= self.budget:
+                break
+            if rec.pins:
+                continue
+            self.remove(rec.key)
+            evicted.append(rec.key)
+            if self.on_evict is not None:
+                self.on_evict(rec.key)
+        self.evictions += len(evicted)
+        return evicted
+
+    def pin(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.records[k].pins += 1
+
+    def unpin(self, keys: list[bytes]) -> None:
+        for k in keys:
+            rec = self.records.get(k)
+            if rec is not None:
+                rec.pins -= 1
+
+    def __iter__(self) -> Iterator[SegmentRecord]:
+        return iter(self.records.values())

@@ -1,0 +1,157 @@
+"""Four-layer validation: a logical hit becomes a usable hit only through `Validator.plan`.
+
+1. whole-segment alignment   only whole verified segments are reused; a partial one is recomputed
+2. kernel/layout interface   every record must carry the current layout fingerprint
+3. multi-group intersection  per state kind the longest prefix it can serve; the usable length is
+                             the largest segment boundary that every kind serves (the intersection,
+                             never the union)
+4. byte-level alignment      dtype, shape, strides, contiguity and base alignment of each buffer,
+                             checked by `check_buffer` when the state is assembled for compute
+
+The result is a `ReusePlan`: what is reused, what each missing kind's recovery path is (see
+recovery.py), the usable length and whether the result is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from engine.cache.prefix_index import MatchResult
+from engine.cache.recovery import route
+from engine.cache.state_table import StateTable
+
+ALIGNMENT = 16  # bytes: what vectorised CPU and GPU loads expect of a buffer's base address
+
+
+class Action(str, Enum):
+    REUSE = "reuse"
+    RECOVER = "recover"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class ObjectPlan:
+    kind: str
+    action: Action
+    tokens: tuple[int, int]  # the token range this action covers
+    layers: tuple[int, ...]
+    path: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    prompt_tokens: int
+    logical_tokens: int  # what the prefix index matched, token-level
+    matched_tokens: int  # verified whole segments with a record under the current layout
+    usable_tokens: int  # what the validator lets compute start from
+    keys: tuple[bytes, ...]  # the records the usable prefix is assembled from
+    objects: tuple[ObjectPlan, ...]
+    failures: tuple[str, ...]  # validation layer failures, each "layer N: reason"
+    exact: bool = True
+
+    @property
+    def degraded(self) -> bool:
+        """A logical hit that could not be used in full."""
+        return self.usable_tokens < self.logical_tokens
+
+    def summary(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "logical_tokens": self.logical_tokens,
+            "usable_tokens": self.usable_tokens, "exact": self.exact, "degraded": self.degraded,
+            "objects": [{"kind": o.kind, "action": o.action.value, "tokens": list(o.tokens), "layers": list(o.layers),
+                         "path": o.path, "reason": o.reason} for o in self.objects],
+            "failures": list(self.failures),
+        }
+
+
+@dataclass(frozen=True)
+class Requirement:
+    layer: int
+    kind: str
+    per_segment: bool
+
+
+class Validator:
+    def __init__(self, block_size: int, layout: bytes, requirements: list[Requirement]):
+        self.block_size = block_size
+        self.layout = layout
+        self.requirements = requirements
+
+    def plan(self, prompt_len: int, match: MatchResult, table: StateTable) -> ReusePlan:
+        b = self.block_size
+        failures: list[str] = []
+        # reuse must leave at least one prompt token to compute: its logits start the answer
+        n = min(len(match.segments), (prompt_len - 1) // b)
+        if match.logical_tokens > n * b:
+            failures.append(f"layer 1: tokens [{n * b}, {match.logical_tokens}) match only part of a segment; "
+                            "recomputed")
+        if match.collisions:
+            failures.append(f"layer 1: {match.collisions} hash hit(s) rejected by token comparison")
+
+        records = []
+        for j, node in enumerate(match.segments[:n]):
+            rec = table.get(node.key)
+            if rec is None:
+                failures.append(f"layer 3: segment {j} has no state record")
+                break
+            if rec.layout != self.layout:
+                failures.append(f"layer 2: segment {j} was written under another layout fingerprint")
+                break
+            records.append(rec)
+        n = len(records)
+
+        # per-segment kinds serve every boundary up to their first gap
+        limit = n
+        gap_of: dict[tuple[int, str], int] = {}
+        for req in self.requirements:
+            if req.per_segment:
+                gap = next((j for j, r in enumerate(records) if not r.has(req.layer, req.kind)), n)
+                gap_of[(req.layer, req.kind)] = gap
+                limit = min(limit, gap)
+        # boundary kinds need their snapshot exactly at the chosen boundary
+        k = limit
+        snapshots = [r for r in self.requirements if not r.per_segment]
+        while k > 0 and not all(records[k - 1].has(r.layer, r.kind) for r in snapshots):
+            k -= 1
+
+        objects: list[ObjectPlan] = []
+        lost: dict[str, list[int]] = {}
+        for req in self.requirements:
+            if req.per_segment and gap_of[(req.layer, req.kind)] < n:
+                lost.setdefault(req.kind, []).append(req.layer)
+            elif not req.per_segment and n > 0 and not records[n - 1].has(req.layer, req.kind):
+                lost.setdefault(req.kind, []).append(req.layer)
+        for kind, layers in lost.items():
+            r = route(kind)
+            objects.append(ObjectPlan(kind, Action.RECOVER, (k * b, n * b), tuple(layers), r.path,
+                                      f"{kind} missing for the matched prefix of {n * b} tokens; resume at {k * b}"))
+            failures.append(f"layer 3: {kind} missing in layers {layers}")
+        if k:
+            kinds = sorted({r.kind for r in self.requirements})
+            objects.insert(0, ObjectPlan(",".join(kinds), Action.REUSE, (0, k * b),
+                                         tuple(sorted({r.layer for r in self.requirements}))))
+        objects.append(ObjectPlan("all", Action.RECOMPUTE, (k * b, prompt_len), (), "prefill"))
+        return ReusePlan(prompt_len, match.logical_tokens, n * b, k * b, tuple(r.key for r in records[:k]),
+                         tuple(objects), tuple(failures))
+
+
+def check_buffer(t: torch.Tensor, like: torch.Tensor | None, device: torch.device) -> str | None:
+    """Layer 4: why `t` cannot be handed to compute in place of a buffer shaped like `like` (the
+    same piece of a fresh state, whose token dimensions are 0 and so match any length), or None.
+    The GDN recurrent matrix is float32 in every model dtype, so dtype comes from `like` too."""
+    if like is not None:
+        if t.dtype != like.dtype:
+            return f"dtype {t.dtype} != {like.dtype}"
+        if t.dim() != like.dim() or any(w and a != w for a, w in zip(t.shape, like.shape)):
+            return f"shape {tuple(t.shape)} does not fit {tuple(like.shape)}"
+    if t.device != device:
+        return f"device {t.device} != {device}"
+    if not t.is_contiguous():
+        return f"strides {t.stride()} are not contiguous"
+    if t.numel() and t.data_ptr() % ALIGNMENT:
+        return f"base address {t.data_ptr():#x} is not {ALIGNMENT}-byte aligned"
+    return None

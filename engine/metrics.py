@@ -1,0 +1,48 @@
+"""Cache counters: hit rate, degraded-hit rate, usable vs logical hit tokens, failures by layer."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine.events import CacheLookup
+
+
+@dataclass
+class CacheMetrics:
+    lookups: int = 0
+    hits: int = 0  # lookups that reused anything
+    degraded_hits: int = 0  # logical hits that could not be used in full
+    prompt_tokens: int = 0
+    logical_hit_tokens: int = 0
+    usable_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    replans: int = 0
+    validation_failures: Counter = field(default_factory=Counter)  # by validation layer
+    recoveries: Counter = field(default_factory=Counter)  # by state kind
+
+    def record(self, event: CacheLookup) -> None:
+        plan = event.plan
+        self.lookups += 1
+        self.hits += plan.usable_tokens > 0
+        self.degraded_hits += plan.degraded and plan.logical_tokens > 0
+        self.prompt_tokens += plan.prompt_tokens
+        self.logical_hit_tokens += plan.logical_tokens
+        self.usable_hit_tokens += plan.usable_tokens
+        self.recomputed_tokens += plan.prompt_tokens - plan.usable_tokens
+        for failure in plan.failures:
+            self.validation_failures[failure.split(":", 1)[0]] += 1
+        for obj in plan.objects:
+            if obj.action.value == "recover":
+                self.recoveries[obj.kind] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "lookups": self.lookups, "hits": self.hits, "degraded_hits": self.degraded_hits,
+            "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
+            "degraded_hit_rate": self.degraded_hits / self.lookups if self.lookups else 0.0,
+            "prompt_tokens": self.prompt_tokens, "logical_hit_tokens": self.logical_hit_tokens,
+            "usable_hit_tokens": self.usable_hit_tokens, "recomputed_tokens": self.recomputed_tokens,
+            "replans": self.replans, "validation_failures": dict(self.validation_failures),
+            "recoveries": dict(self.recoveries),
+        }

@@ -1,0 +1,204 @@
+"""Reuse never changes the output: multi-turn chats with branches and resumes, on every family,
+give the logits of a full prefill; every missing state is routed, named and recomputed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_reference as ref
+from engine import load_model
+from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.prefix_index import PrefixIndex
+from engine.engine import Engine, SamplingParams
+
+B = 16
+CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+
+
+def _families():
+    return {
+        "qwen3_5": lambda: ref.build("qwen3_5_text", seed=2),
+        "qwen3_next": lambda: ref.build("qwen3_next", seed=2),
+        "deepseek_v4": lambda: ref.build_v4(seed=2, layer_types=[SWA, CSA, HCA], sliding_window=8,
+                                           compress_rates={CSA: 4, HCA: 32}, index_topk=4),
+    }
+
+
+_LOADED: dict = {}
+
+
+def _load(family, tmp_path_factory):
+    if family not in _LOADED:
+        hf = _families()[family]()
+        _LOADED[family] = load_model(ref.save(hf, tmp_path_factory.mktemp(family)), device="cpu")
+    return _LOADED[family]
+
+
+@pytest.fixture(scope="module", params=sorted(_families()))
+def model(request, tmp_path_factory):
+    return _load(request.param, tmp_path_factory)
+
+
+# the state kinds each family keeps, and so the drills that apply to it
+KINDS = {
+    "qwen3_5": ["kv", "recurrent", "conv"],
+    "qwen3_next": ["kv", "recurrent", "conv"],
+    "deepseek_v4": ["window", "compressed", "tail", "overlap", "index_keys", "index_tail", "index_overlap"],
+}
+
+
+def _cold_logits(model, prompt):
+    """The oracle: one stateful prefill from nothing."""
+    return Engine(model).start(prompt).logits
+
+
+def _turn(engine, prompt, new_tokens=12):
+    run = engine.start(prompt)
+    assert (run.logits - _cold_logits(engine.model, prompt)).abs().max().item() <= 1e-4
+    gen = engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, greedy=True))
+    return run.plan, gen
+
+
+def test_multi_turn_chat_with_branches_and_resumes_is_exact(model):
+    engine = Engine(model, cache=PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=2)))
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
+
+    turn1 = rand(70)
+    plan, gen1 = _turn(engine, turn1)
+    assert plan.logical_tokens == 0
+    # turn 2 continues turn 1: its prompt starts with everything turn 1 fed through the model
+    turn2 = turn1 + gen1.token_ids + rand(25)
+    plan, gen2 = _turn(engine, turn2)
+    assert plan.usable_tokens >= 64 and plan.exact
+    # a branch: edit turn 2's new text; the shared prefix is reused up to a kept checkpoint
+    branch = turn1 + gen1.token_ids + rand(30)
+    plan, _ = _turn(engine, branch)
+    assert plan.usable_tokens >= 64
+    # resume the first branch after the other one
+    turn3 = turn2 + gen2.token_ids + rand(10)
+    plan, _ = _turn(engine, turn3)
+    assert plan.usable_tokens >= len(turn2) // B * B - 2 * B
+    metrics = engine.metrics()
+    assert metrics["hits"] >= 3 and metrics["usable_hit_tokens"] > 0
+
+
+def _warm(model, length=90, **cfg):
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=1, **cfg))
+    engine = Engine(model, cache=cache)
+    prompt = torch.randint(0, 97, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.start(prompt).finish()
+    return engine, prompt
+
+
+def _records(engine, prompt):
+    return [engine.cache.table.get(node.key) for node in engine.cache.index.match(prompt).segments]
+
+
+def test_a_plain_hit_reuses_every_whole_segment(model):
+    engine, prompt = _warm(model)
+    run = engine.start(prompt + [5, 6, 7])
+    assert run.plan.usable_tokens == len(prompt) // B * B
+    assert not run.plan.degraded or run.plan.logical_tokens > run.plan.usable_tokens
+    assert (run.logits - _cold_logits(model, prompt + [5, 6, 7])).abs().max().item() <= 1e-4
+
+
+def _drill(model, predicate, expect_kind):
+    """Remove the pieces `predicate(segment_index, layer, kind)` selects, then check the hit is
+    still exact, the plan names the kind and its path, and the event is not silent."""
+    engine, prompt = _warm(model)
+    for rec in _records(engine, prompt):
+        engine.cache.table.drop(rec.key, lambda layer, kind, p, j=rec.index: predicate(j, layer, kind))
+    query = prompt + [9, 9, 9]
+    run = engine.start(query)
+    assert (run.logits - _cold_logits(model, query)).abs().max().item() <= 1e-4
+    event = engine.cache.events[-1]
+    recovered = {o.kind: o for o in run.plan.objects if o.action.value == "recover"}
+    assert expect_kind in recovered, run.plan.summary()
+    assert recovered[expect_kind].path and recovered[expect_kind].reason
+    assert event.outcome in ("degraded", "recomputed") and event.reasons
+    return run.plan
+
+
+def test_the_drill_list_covers_every_kind_each_family_keeps(model):
+    kinds = {kind for pieces in PrefixCache(model, CacheConfig(block_size=B)).template_pieces for kind in pieces}
+    assert kinds == set(KINDS[model.config.model_type.replace("_text", "")])
+
+
+@pytest.mark.parametrize("family, kind", [(f, k) for f, kinds in sorted(KINDS.items()) for k in kinds])
+def test_every_missing_state_kind_is_routed_and_the_output_stays_exact(family, kind, tmp_path_factory):
+    model = _load(family, tmp_path_factory)
+    per_segment = kind in ("kv", "compressed", "index_keys")
+    # per-segment kinds: drop segment 2's slice; snapshots: drop the last two boundaries' copies
+    plan = _drill(model, lambda j, layer, k: k == kind and (j == 2 if per_segment else j >= 3), kind)
+    assert plan.usable_tokens == (2 * B if per_segment else 3 * B)
+
+
+def test_version_change_between_check_and_use_replans(model, monkeypatch):
+    engine, prompt = _warm(model)
+    cache = engine.cache
+    fired = []
+
+    def bump(plan):
+        if not fired:
+            fired.append(True)
+            rec = cache.table.get(plan.keys[-1])
+            rec.version += 1  # as a concurrent writer would
+    monkeypatch.setattr(cache, "before_use", bump)
+    run = engine.start(prompt + [1])
+    assert cache.metrics.replans == 1 and "changed between check and use" in cache.events[-1].replan_reason
+    assert (run.logits - _cold_logits(model, prompt + [1])).abs().max().item() <= 1e-4
+
+
+def test_a_buffer_compute_cannot_take_fails_layer_4_and_is_recomputed(model):
+    engine, prompt = _warm(model)
+    rec = _records(engine, prompt)[-1]
+    key, piece = next((k, p) for k, p in rec.pieces.items() if not p.per_segment and p.data is not None)
+    first = piece.data[0] if isinstance(piece.data, tuple) else piece.data
+    wrong = first.to(torch.float64)  # e.g. a snapshot decoded from disk in the wrong dtype
+    rec.pieces[key] = type(piece)(False, (wrong, *piece.data[1:]) if isinstance(piece.data, tuple) else wrong)
+    run = engine.start(prompt + [2])
+    assert engine.cache.metrics.validation_failures["layer 4"] >= 1
+    assert "layer 4" in engine.cache.events[-1].replan_reason
+    assert run.plan.usable_tokens < len(prompt) // B * B
+    assert (run.logits - _cold_logits(model, prompt + [2])).abs().max().item() <= 1e-4
+
+
+def test_eviction_under_budget_never_takes_pinned_segments(model):
+    engine, prompt = _warm(model)
+    table = engine.cache.table
+    keys = [r.key for r in _records(engine, prompt)]
+    table.pin(keys[:2])
+    table.set_budget(1)
+    assert all(k in table for k in keys[:2]) and not any(k in table for k in keys[2:])
+    table.unpin(keys[:2])
+    run = engine.start(prompt + [3])
+    assert run.plan.usable_tokens == 0 or run.plan.usable_tokens <= 2 * B
+    assert (run.logits - _cold_logits(model, prompt + [3])).abs().max().item() <= 1e-4
+
+
+def test_reuse_off_never_reuses(model):
+    engine, prompt = _warm(model, reuse="off")
+    assert engine.start(prompt + [4]).plan.usable_tokens == 0
+
+
+def test_forced_hash_collisions_are_caught_by_token_comparison():
+    weak = lambda parent, fp, tokens: bytes([sum(tokens) % 2]) * 16  # noqa: E731  (1 bit of hash)
+    index = PrefixIndex(4, b"fp", hash_fn=weak)
+    assert index.insert(b"\0" * 16, 0, [1, 2, 3, 4]) is not None
+    # [2, 2, 3, 3] hashes like [1, 2, 3, 4]: a hit by hash, refused by tokens
+    match = index.match([2, 2, 3, 3, 7])
+    assert match.segments == [] and match.collisions == 1
+    assert index.insert(b"\0" * 16, 0, [2, 2, 3, 3]) is None and index.collisions == 2
+    assert index.match([1, 2, 3, 4, 7]).segments[0].tokens == (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("length", [1, B - 1, B, B + 1, 2 * B, 2 * B + 1, 3 * B + 5])
+def test_boundary_matrix_usable_length(model, length):
+    engine, prompt = _warm(model, length=max(length, 1))
+    # a prompt equal to the cached one leaves its last token to compute; one token more reuses all
+    same = engine.start(prompt).plan.usable_tokens
+    longer = engine.start(prompt + [1]).plan.usable_tokens
+    assert same == (length - 1) // B * B
+    assert longer == length // B * B
