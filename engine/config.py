@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 # model_type -> family; the wrapper types keep their text model under `text_config`
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "deepseek_v4")
+# hcw_hybrid is hcw's own: any mix of the layer kinds, its config.json spelled in ModelConfig's field names
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "deepseek_v4", "hcw_hybrid")
 LAYER_KINDS = ("linear_attention", "full_attention", "sliding_attention", "compressed_sparse_attention",
                "heavily_compressed_attention")
 # the DeepSeek-V4 kinds: every one has a sliding-window branch, two add a compressor
@@ -159,7 +160,7 @@ class ModelConfig:
                 raise ConfigError("index_n_heads must be >= 1 and index_head_dim >= the rotary dim")
         if self.num_attention_heads % self.o_groups:
             raise ConfigError("num_attention_heads must be a multiple of o_groups")
-        if len(self.mlp_layer_types) != self.num_hidden_layers:
+        if self.mlp_layer_types and len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ConfigError("mlp_layer_types needs one entry per layer")
 
     def compress_rate(self, kind: str) -> int:
@@ -199,7 +200,34 @@ class ModelConfig:
             prefix = "model.language_model."
         if model_type == "deepseek_v4":
             return cls._from_v4(raw)
+        if model_type == "hcw_hybrid":
+            return cls._from_fields(raw)
         return cls._from_text(model_type, text, prefix)
+
+    @classmethod
+    def _from_fields(cls, raw: dict) -> ModelConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in raw if k not in names and not k.startswith("hcw_"))
+        if unknown:
+            raise ConfigError(f"unknown hcw_hybrid config keys {unknown}")
+        kw = {k: v for k, v in raw.items() if k in names and k != "extra"}
+        for key in ("layer_types", "mlp_only_layers", "mlp_layer_types", "eos_token_ids"):
+            if key in kw:
+                kw[key] = tuple(kw[key])
+        for key in ("rope_main", "rope_compress"):
+            if key in kw:
+                kw[key] = RopeSpec(**kw[key])
+        kw["extra"] = {k: v for k, v in raw.items() if k.startswith("hcw_")}
+        try:
+            return cls(**kw)
+        except TypeError as e:
+            raise ConfigError(f"bad hcw_hybrid config: {e}") from None
+
+    def to_dict(self) -> dict:
+        """The hcw_hybrid config.json body for this config."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out["rope_main"], out["rope_compress"] = asdict(self.rope_main), asdict(self.rope_compress)
+        return {**{k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}, **self.extra}
 
     @classmethod
     def _from_v4(cls, t: dict) -> ModelConfig:

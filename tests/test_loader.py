@@ -83,3 +83,18 @@ def test_folder_without_weights_or_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(ref.qwen3_5_text_config().to_dict()))
     with pytest.raises(WeightsError, match="no .safetensors"):
         load_model(tmp_path, device="cpu")
+
+
+def test_hcw_hybrid_config_round_trips_and_rejects_unknown_keys(tmp_path):
+    from engine.model.random_init import hcw_hybrid_dict, write_random_model
+
+    raw = hcw_hybrid_dict()
+    cfg = ModelConfig.from_dict(raw)
+    assert set(cfg.layer_types) == {"linear_attention", "full_attention", "sliding_attention",
+                                    "compressed_sparse_attention", "heavily_compressed_attention"}
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="unknown hcw_hybrid config keys \\['bogus'\\]"):
+        ModelConfig.from_dict({**raw, "bogus": 1})
+    model = load_model(write_random_model(tmp_path / "h", raw, seed=3), device="cpu")
+    logits = model(torch.arange(40))
+    assert logits.shape == (1, 40, raw["vocab_size"]) and torch.isfinite(logits).all()

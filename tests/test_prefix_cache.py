@@ -16,8 +16,15 @@ B = 16
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
 
+def _hybrid(folder):
+    from engine.model.random_init import hcw_hybrid_dict, write_random_model
+
+    return write_random_model(folder, hcw_hybrid_dict(vocab=97), seed=4, byte_tokenizer=False)
+
+
 def _families():
     return {
+        "hcw_hybrid": _hybrid,
         "qwen3_5": lambda: ref.build("qwen3_5_text", seed=2),
         "qwen3_next": lambda: ref.build("qwen3_next", seed=2),
         "deepseek_v4": lambda: ref.build_v4(seed=2, layer_types=[SWA, CSA, HCA], sliding_window=8,
@@ -30,8 +37,10 @@ _LOADED: dict = {}
 
 def _load(family, tmp_path_factory):
     if family not in _LOADED:
-        hf = _families()[family]()
-        _LOADED[family] = load_model(ref.save(hf, tmp_path_factory.mktemp(family)), device="cpu")
+        folder = tmp_path_factory.mktemp(family)
+        build = _families()[family]
+        built = build(folder) if family == "hcw_hybrid" else ref.save(build(), folder)
+        _LOADED[family] = load_model(built, device="cpu")
     return _LOADED[family]
 
 
@@ -45,6 +54,8 @@ KINDS = {
     "qwen3_5": ["kv", "recurrent", "conv"],
     "qwen3_next": ["kv", "recurrent", "conv"],
     "deepseek_v4": ["window", "compressed", "tail", "overlap", "index_keys", "index_tail", "index_overlap"],
+    "hcw_hybrid": ["kv", "recurrent", "conv", "window", "compressed", "tail", "overlap", "index_keys", "index_tail",
+                   "index_overlap"],
 }
 
 
