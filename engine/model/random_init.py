@@ -63,7 +63,8 @@ def write_random_model(folder: str | Path, raw_config: dict, seed: int = 0, byte
     raw = dict(raw_config)
     if byte_tokenizer:
         raw["hcw_tokenizer"] = "byte"
-        raw.setdefault("eos_token_id", [257, 262])
+        eos_key = "eos_token_ids" if raw["model_type"] == "hcw_hybrid" else "eos_token_id"
+        raw.setdefault(eos_key, [257, 262])
     cfg = ModelConfig.from_dict(raw)
     model = init_random(HybridModel(cfg), seed)
     tensors = {}
