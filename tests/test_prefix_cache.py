@@ -3,6 +3,8 @@ give the logits of a full prefill; every missing state is routed, named and reco
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -168,7 +170,7 @@ def test_a_buffer_compute_cannot_take_fails_layer_4_and_is_recomputed(model):
     key, piece = next((k, p) for k, p in rec.pieces.items() if not p.per_segment and p.data is not None)
     first = piece.data[0] if isinstance(piece.data, tuple) else piece.data
     wrong = first.to(torch.float64)  # e.g. a snapshot decoded from disk in the wrong dtype
-    rec.pieces[key] = type(piece)(False, (wrong, *piece.data[1:]) if isinstance(piece.data, tuple) else wrong)
+    rec.pieces[key] = replace(piece, data=(wrong, *piece.data[1:]) if isinstance(piece.data, tuple) else wrong)
     run = engine.start(prompt + [2])
     assert engine.cache.metrics.validation_failures["layer 4"] >= 1
     assert "layer 4" in engine.cache.events[-1].replan_reason
@@ -213,3 +215,16 @@ def test_boundary_matrix_usable_length(model, length):
     longer = engine.start(prompt + [1]).plan.usable_tokens
     assert same == (length - 1) // B * B
     assert longer == length // B * B
+
+
+def test_a_window_snapshot_from_another_boundary_is_caught_not_used(model):
+    engine, prompt = _warm(model)
+    records = _records(engine, prompt)
+    last, earlier = records[-1], records[-2]
+    moved = [k for k, p in earlier.pieces.items() if not p.per_segment]
+    for key in moved:  # every snapshot of the last boundary replaced by the one before it
+        last.pieces[key] = earlier.pieces[key]
+    run = engine.start(prompt + [8])
+    assert "layer 1" in engine.cache.events[-1].replan_reason
+    assert run.plan.usable_tokens < len(prompt) // B * B
+    assert (run.logits - _cold_logits(model, prompt + [8])).abs().max().item() <= 1e-4

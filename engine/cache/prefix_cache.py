@@ -17,7 +17,7 @@ import hashlib
 import json
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from engine.cache.prefix_index import ROOT, PrefixIndex
 from engine.cache.state_table import StateTable
@@ -118,12 +118,17 @@ class PrefixCache:
                 for kind, tp in self.template_pieces[i].items():
                     owners = records if tp.per_segment else records[-1:]
                     for rec in owners:
-                        bad = self._check(rec.pieces[(i, kind)].data, tp.data)
+                        piece = rec.pieces[(i, kind)]
+                        end = (rec.index + 1) * self.block_size
+                        if piece.position != end:
+                            bad, layer_no = f"describes position {piece.position}, not {end}", "layer 1"
+                        else:
+                            bad, layer_no = self._check(piece.data, tp.data), "layer 4"
                         if bad:
-                            # a buffer compute cannot take is treated as absent: drop it and re-plan
+                            # a piece compute cannot take is treated as absent: drop it and re-plan
                             self.table.drop(rec.key, lambda layer, k, p, key=(i, kind): (layer, k) == key)
-                            self.metrics.validation_failures["layer 4"] += 1
-                            return None, f"layer 4: layer {i} {kind}: {bad}"
+                            self.metrics.validation_failures[layer_no] += 1
+                            return None, f"{layer_no}: layer {i} {kind}: {bad}"
                     datas = [r.pieces[(i, kind)].data for r in owners]
                     pieces[kind] = datas if tp.per_segment else datas[0]
                 layers.append(template.assemble(plan.usable_tokens, pieces))
@@ -182,7 +187,7 @@ class RequestWriter:
         self.parent = node.key
         before = self.cache.table.get(node.key)
         had = set(before.pieces) if before is not None else set()
-        pieces = {(i, kind): piece for i, layer in enumerate(state.layers)
+        pieces = {(i, kind): replace(piece, position=hi) for i, layer in enumerate(state.layers)
                   for kind, piece in layer.export(hi - b, hi).items()}
         self.cache.table.put(node.key, j, self.cache.layout, pieces)
         if any(not p.per_segment and k not in had for k, p in pieces.items()):

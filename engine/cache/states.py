@@ -56,6 +56,7 @@ class Piece:
 
     per_segment: bool
     data: object
+    position: int = -1  # the token position the piece ends at / describes; stamped when cached
 
     def nbytes(self) -> int:
         items = self.data if isinstance(self.data, tuple) else (self.data,)
