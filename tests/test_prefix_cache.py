@@ -228,3 +228,36 @@ def test_a_window_snapshot_from_another_boundary_is_caught_not_used(model):
     assert "layer 1" in engine.cache.events[-1].replan_reason
     assert run.plan.usable_tokens < len(prompt) // B * B
     assert (run.logits - _cold_logits(model, prompt + [8])).abs().max().item() <= 1e-4
+
+
+def test_every_drill_on_every_family_is_exact_named_and_never_silent(model):
+    from engine.cache.faults import DRILLS, run_drills
+
+    reports = {r.drill: r for r in run_drills(model, prompt_len=80, block_size=B)}
+    assert set(reports) == set(DRILLS)
+    for r in reports.values():
+        assert not r.silent and r.max_logit_diff <= 1e-4, r.as_dict()
+        if r.applies and r.drill != "bump_version":
+            assert r.outcome in ("degraded", "recomputed") and r.paths and r.reasons, r.as_dict()
+    assert reports["bump_version"].reasons  # re-planned, and said so
+    gdn = "linear_attention" in model.config.layer_types
+    assert reports["drop_gdn_checkpoint"].applies == gdn
+    assert reports["evict_compressed"].applies == ("compressed_sparse_attention" in model.config.layer_types
+                                                   or "heavily_compressed_attention" in model.config.layer_types)
+
+
+def test_hcw_drill_cli_reports_json_and_exit_code(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    folder = _hybrid(tmp_path / "mixed")
+    res = CliRunner().invoke(app, ["drill", "--model", str(folder), "--json", "--prompt-len", "64"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["silent_errors"] == 0 and len(report["drills"]) == 8
+    assert all(d["applies"] for d in report["drills"])
+    bad = CliRunner().invoke(app, ["drill", "--model", str(folder), "--drill", "nope"])
+    assert bad.exit_code == 2 and "unknown drill" in bad.stderr

@@ -52,6 +52,26 @@ def generate(
         _fail(str(e))
 
 
+@app.command()
+def drill(
+    model: Path = typer.Option(..., "--model", help="model folder (config.json + safetensors)"),
+    names: list[str] = typer.Option(None, "--drill", help="run only these drills (repeatable)"),
+    block_size: int = typer.Option(16, "--block-size", min=1),
+    prompt_len: int = typer.Option(96, "--prompt-len", min=2),
+    dtype: str = typer.Option("fp32", "--dtype"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Break each kind of cached state on purpose and show the next hit is still exact."""
+    from workbench.drill import run
+
+    try:
+        silent = run(model, names or None, block_size, prompt_len, dtype, as_json, sys.stdout)
+    except ValueError as e:
+        _fail(str(e))
+    if silent:
+        raise typer.Exit(1)
+
+
 @app.command("random-model")
 def random_model(
     out: Path = typer.Argument(..., help="folder to write config.json + model.safetensors into"),
@@ -59,14 +79,21 @@ def random_model(
     layers: int = typer.Option(8, "--layers", min=1),
     attn_every: int = typer.Option(4, "--attn-every", min=1, help="one full-attention layer every N layers"),
     seed: int = typer.Option(0, "--seed"),
+    mixed: bool = typer.Option(False, "--mixed", help="every layer kind in one model"),
 ) -> None:
-    """Write a random-weight Qwen3.5-style hybrid (byte tokenizer) for trying the engine out."""
-    from engine.model.random_init import qwen3_5_text_dict, write_random_model
+    """Write a random-weight hybrid (byte tokenizer) for trying the engine out: Qwen3.5-style, or
+    with --mixed an hcw_hybrid with every layer kind (GDN, full, sliding, CSA, HCA)."""
+    from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_random_model
 
     if hidden % 64:
         _fail("--hidden must be a multiple of 64")
-    write_random_model(out, qwen3_5_text_dict(hidden=hidden, layers=layers, attn_every=attn_every), seed=seed)
-    typer.echo(json.dumps({"model": str(out), "hidden": hidden, "layers": layers}))
+    if mixed:
+        raw = hcw_hybrid_dict(hidden=hidden)
+    else:
+        raw = qwen3_5_text_dict(hidden=hidden, layers=layers, attn_every=attn_every)
+    write_random_model(out, raw, seed=seed)
+    typer.echo(json.dumps({"model": str(out), "model_type": raw["model_type"], "hidden": hidden,
+                           "layers": raw["num_hidden_layers"]}))
 
 
 def main() -> None:

@@ -1,0 +1,157 @@
+"""Fault drills, first-class and public: break one kind of cached state on purpose, then show
+that the next hit is still exact, that its plan names the recovery path, and that the event says
+so. `run_drills` is what `hcw drill` prints.
+
+Each drill gets a warm cache (one prompt of `prompt_len` tokens recorded) and damages it; the
+probe prompt is that prompt plus a few tokens, compared with a cold prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.state_table import SegmentRecord
+
+
+def _records(cache: PrefixCache, tokens: list[int]) -> list[SegmentRecord]:
+    return [cache.table.get(n.key) for n in cache.index.match(tokens).segments]
+
+
+def _drop(cache, records, kinds: set[str], which: Callable[[int, int], bool]) -> int:
+    """Drop `kinds` from records whose position `which(j, n)` selects; returns pieces dropped."""
+    before = sum(len(r.pieces) for r in records)
+    n = len(records)
+    for j, rec in enumerate(records):
+        if which(j, n):
+            cache.table.drop(rec.key, lambda layer, kind, p: kind in kinds)
+    return before - sum(len(r.pieces) for r in records)
+
+
+def _middle(j: int, n: int) -> bool:
+    return j == n // 2
+
+
+def _last_two(j: int, n: int) -> bool:
+    return j >= n - 2
+
+
+def evict_compressed(cache, records):
+    return _drop(cache, records, {"compressed"}, _middle)
+
+
+def drop_tail(cache, records):
+    return _drop(cache, records, {"tail", "index_tail"}, _last_two)
+
+
+def expire_window(cache, records):
+    return _drop(cache, records, {"window"}, _last_two)
+
+
+def misalign_window(cache, records):
+    """The last boundary's window replaced by an earlier boundary's: same shape, wrong place."""
+    if len(records) < 2:
+        return 0
+    last, earlier = records[-1], records[-2]
+    moved = [k for k in last.pieces if k[1] == "window" and k in earlier.pieces]
+    for key in moved:
+        last.pieces[key] = earlier.pieces[key]
+    return len(moved)
+
+
+def invalidate_indexer(cache, records):
+    return _drop(cache, records, {"index_keys"}, _middle)
+
+
+def drop_gdn_checkpoint(cache, records):
+    return _drop(cache, records, {"recurrent", "conv"}, _last_two)
+
+
+def corrupt_dtype(cache, records):
+    """A snapshot that would reach compute in the wrong dtype (as if decoded wrongly)."""
+    rec = records[-1]
+    for key, piece in rec.pieces.items():
+        if not piece.per_segment and piece.data is not None:
+            first = piece.data[0] if isinstance(piece.data, tuple) else piece.data
+            wrong = first.to(torch.float64)
+            rec.pieces[key] = replace(piece, data=(wrong, *piece.data[1:]) if isinstance(piece.data, tuple) else wrong)
+            return 1
+    return 0
+
+
+def bump_version(cache, records):
+    """A concurrent writer changes a record between the check and the use."""
+    fired = []
+
+    def bump(plan):
+        if not fired and plan.keys:
+            fired.append(True)
+            cache.table.get(plan.keys[-1]).version += 1
+    cache.before_use = bump
+    return 1
+
+
+DRILLS: dict[str, Callable] = {
+    "evict_compressed": evict_compressed,
+    "drop_tail": drop_tail,
+    "expire_window": expire_window,
+    "misalign_window": misalign_window,
+    "invalidate_indexer": invalidate_indexer,
+    "drop_gdn_checkpoint": drop_gdn_checkpoint,
+    "corrupt_dtype": corrupt_dtype,
+    "bump_version": bump_version,
+}
+
+
+@dataclass(frozen=True)
+class DrillReport:
+    drill: str
+    applies: bool  # the model has the state this drill damages
+    logical_tokens: int
+    usable_tokens: int
+    exact: bool
+    max_logit_diff: float
+    outcome: str
+    reasons: tuple[str, ...]
+    paths: tuple[str, ...]
+
+    @property
+    def silent(self) -> bool:
+        """Wrong output, or a damaged hit reported as a clean one."""
+        wrong = self.max_logit_diff > 1e-4
+        unreported = self.applies and self.outcome == "hit" and not self.reasons
+        return wrong or unreported
+
+    def as_dict(self) -> dict:
+        return {"drill": self.drill, "applies": self.applies, "logical_tokens": self.logical_tokens,
+                "usable_tokens": self.usable_tokens, "exact": self.exact, "max_logit_diff": self.max_logit_diff,
+                "outcome": self.outcome, "reasons": list(self.reasons), "paths": list(self.paths),
+                "silent": self.silent}
+
+
+def run_drills(model, prompt_len: int = 96, block_size: int = 16, names: list[str] | None = None,
+               seed: int = 0) -> list[DrillReport]:
+    from engine.engine import Engine
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
+    probe = prompt + torch.randint(0, model.config.vocab_size, (5,), generator=g).tolist()
+    cold = Engine(model).start(probe).logits
+    reports = []
+    for name in names or list(DRILLS):
+        if name not in DRILLS:
+            raise ValueError(f"unknown drill {name!r}; drills: {', '.join(DRILLS)}")
+        cache = PrefixCache(model, CacheConfig(block_size=block_size, checkpoint_every=1))
+        engine = Engine(model, cache=cache)
+        engine.start(prompt).finish()
+        damaged = DRILLS[name](cache, _records(cache, prompt))
+        run = engine.start(probe)
+        event = cache.events[-1]
+        diff = (run.logits - cold).abs().max().item()
+        paths = tuple(o.path for o in run.plan.objects if o.action.value == "recover")
+        reports.append(DrillReport(name, damaged > 0, run.plan.logical_tokens, run.plan.usable_tokens,
+                                   run.plan.exact, diff, event.outcome, event.reasons, paths))
+    return reports

@@ -1,0 +1,32 @@
+"""`hcw drill`: run every fault drill on a model and report, per drill, the plan, exactness,
+max |logit diff| against a full prefill and whether the error was silent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TextIO
+
+from engine import load_model
+from engine.cache.faults import run_drills
+
+
+def run(model_dir: Path, names: list[str] | None, block_size: int, prompt_len: int, dtype: str,
+        as_json: bool, out: TextIO) -> bool:
+    """Print the reports; return True when any drill went wrong silently."""
+    model = load_model(model_dir, dtype=dtype)
+    reports = run_drills(model, prompt_len=prompt_len, block_size=block_size, names=names)
+    silent = any(r.silent for r in reports)
+    if as_json:
+        out.write(json.dumps({"model": str(model_dir), "model_type": model.config.model_type,
+                              "block_size": block_size, "prompt_len": prompt_len,
+                              "drills": [r.as_dict() for r in reports], "silent_errors": sum(r.silent for r in reports)})
+                  + "\n")
+        return silent
+    out.write(f"{'drill':22} {'applies':7} {'usable/logical':>14} {'outcome':10} {'max|dlogit|':>11} {'silent':6} path\n")
+    for r in reports:
+        path = r.paths[0] if r.paths else (r.reasons[0] if r.reasons else "")
+        out.write(f"{r.drill:22} {str(r.applies):7} {f'{r.usable_tokens}/{r.logical_tokens}':>14} {r.outcome:10} "
+                  f"{r.max_logit_diff:11.2e} {str(r.silent):6} {path}\n")
+    out.write(f"silent errors: {sum(r.silent for r in reports)}\n")
+    return silent
