@@ -127,16 +127,24 @@ class Engine:
         fed = list(prompt_ids)
         writer, plan = None, None
         if state is None and self.cache is not None:
-            plan, state = self.cache.lookup(fed)
-            writer = self.cache.writer(plan)
+            plan, state, ticket = self.cache.lookup(fed)
+            writer = self.cache.writer(plan, ticket)
         state = state or self.new_state()
         started = Started(None, state, fed, writer, plan)
         if writer is None:
-            logits = self.prefill(fed[state.seq_len:], state)
-        else:
-            logits = self.prefill(fed[state.seq_len:], state, on_boundary=started.capture,
-                                  block_size=self.cache.block_size)
-        started.logits = logits
+            started.logits = self.prefill(fed[state.seq_len:], state)
+            return started
+        b = self.cache.block_size
+        recover_to = plan.matched_tokens if any(o.action.value == "recover" for o in plan.objects) else 0
+        if state.seq_len < recover_to:
+            # the recovery work, timed on its own: recompute what a missing state kind cost us
+            t0 = time.perf_counter()
+            self.prefill(fed[state.seq_len:recover_to], state, on_boundary=started.capture, block_size=b)
+            self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
+        started.logits = self.prefill(fed[state.seq_len:], state, on_boundary=started.capture, block_size=b)
+        if plan.usable_tokens and self.cache.should_shadow():
+            cold = Engine(self.model, self.config).start(fed).logits
+            self.cache.metrics.record_shadow((started.logits - cold).abs().max().item())
         return started
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,

@@ -20,6 +20,20 @@ class CacheMetrics:
     replans: int = 0
     validation_failures: Counter = field(default_factory=Counter)  # by validation layer
     recoveries: Counter = field(default_factory=Counter)  # by state kind
+    recovery_ms: dict = field(default_factory=dict)  # state kind -> Histogram of recovery latency
+    shadow_checks: int = 0
+    shadow_mismatches: int = 0
+    shadow_max_diff: float = 0.0
+
+    def record_recovery(self, plan, ms: float) -> None:
+        for obj in plan.objects:
+            if obj.action.value == "recover":
+                self.recovery_ms.setdefault(obj.kind, Histogram()).add(ms)
+
+    def record_shadow(self, max_diff: float, tolerance: float = 1e-4) -> None:
+        self.shadow_checks += 1
+        self.shadow_mismatches += max_diff > tolerance
+        self.shadow_max_diff = max(self.shadow_max_diff, max_diff)
 
     def record(self, event: CacheLookup) -> None:
         plan = event.plan
@@ -45,4 +59,30 @@ class CacheMetrics:
             "usable_hit_tokens": self.usable_hit_tokens, "recomputed_tokens": self.recomputed_tokens,
             "replans": self.replans, "validation_failures": dict(self.validation_failures),
             "recoveries": dict(self.recoveries),
+            "recovery_ms": {k: h.as_dict() for k, h in self.recovery_ms.items()},
+            "shadow": {"checks": self.shadow_checks, "mismatches": self.shadow_mismatches,
+                       "max_diff": self.shadow_max_diff},
         }
+
+
+@dataclass
+class Histogram:
+    """Counts per latency bucket (upper bounds in ms) plus count and sum."""
+
+    bounds: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000, float("inf"))
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def add(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.bounds)
+        self.counts[next(i for i, b in enumerate(self.bounds) if value <= b)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def as_dict(self) -> dict:
+        return {"count": self.count, "sum_ms": self.total,
+                "buckets": {("inf" if b == float("inf") else str(b)): c for b, c in zip(self.bounds, self.counts)}}

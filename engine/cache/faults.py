@@ -94,6 +94,12 @@ def bump_version(cache, records):
     return 1
 
 
+def change_topology(cache, records):
+    """Static execution captured under another cache topology (e.g. other groups or block tables)."""
+    cache.guard.freeze(b"captured under another topology")
+    return 1
+
+
 DRILLS: dict[str, Callable] = {
     "evict_compressed": evict_compressed,
     "drop_tail": drop_tail,
@@ -103,6 +109,7 @@ DRILLS: dict[str, Callable] = {
     "drop_gdn_checkpoint": drop_gdn_checkpoint,
     "corrupt_dtype": corrupt_dtype,
     "bump_version": bump_version,
+    "change_topology": change_topology,
 }
 
 

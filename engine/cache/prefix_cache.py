@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from engine.cache.prefix_index import ROOT, PrefixIndex
+from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
 from engine.cache.states import ModelState
 from engine.cache.validation import Requirement, ReusePlan, Validator, check_buffer
@@ -35,12 +37,19 @@ class CacheConfig:
     budget_bytes: int = 1 << 30
     checkpoint_every: int = 4  # boundary snapshots kept every K segments (plus request ends, branch points)
     reuse: str = "exact"  # "exact" | "off"
+    max_pending_recoveries: int = 4  # admission cap: reuses in flight that still need recovery
+    recovery_budget_tokens: int = 1 << 16  # admission cap: tokens those may recompute, together
+    static: bool = False  # static execution: freeze the cache topology, check it on every replay
+    shadow_fraction: float = 0.0  # share of hits recomputed cold and compared (shadow verification)
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError("shadow_fraction must be in [0, 1]")
         if self.reuse not in ("exact", "off"):
             raise ValueError(f"reuse must be 'exact' or 'off', got {self.reuse!r}")
 
@@ -75,14 +84,26 @@ class PrefixCache:
         self.validator = Validator(self.config.block_size, self.layout, reqs)
         self.metrics = CacheMetrics()
         self.events: deque[CacheLookup] = deque(maxlen=1000)
+        self.admission = AdmissionControl(self.config.max_pending_recoveries, self.config.recovery_budget_tokens)
+        self.topology = topology_fingerprint(self.config.block_size, self.template_pieces)
+        self.guard = TopologyGuard()
+        if self.config.static:
+            self.guard.freeze(self.topology)
+        self._rng = random.Random(self.config.seed)
+
+    def should_shadow(self) -> bool:
+        return self.config.shadow_fraction > 0 and self._rng.random() < self.config.shadow_fraction
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[ReusePlan, ModelState]:
+    def lookup(self, tokens: Sequence[int]) -> tuple[ReusePlan, ModelState, int | None]:
+        """(plan, assembled state, admission ticket to release when the request ends)."""
         step = self.table.tick()
         abandoned: list[str] = []
+        if not self.guard.check(self.topology):
+            abandoned.append("rule 4: the cache topology differs from the captured one; running eager")
         for _attempt in range(3):
             match = self.index.match(tokens)
             if self.config.reuse == "off":
@@ -97,10 +118,18 @@ class PrefixCache:
             plan = self.validator.plan(len(tokens), match._replace(segments=[]), self.table)
             state = self.model.new_state()
             abandoned.append("gave up reuse after repeated re-plans")
+        ticket = self.admission.admit(plan)
+        if ticket is None:
+            abandoned.append(f"rule 1: admission cap ({len(self.admission.pending)} recoveries pending, "
+                             f"budget {self.admission.recovery_budget_tokens} tokens); recomputing instead")
+            match = self.index.match(tokens)
+            plan = self.validator.plan(len(tokens), match._replace(segments=[]), self.table)
+            state = self.model.new_state()
+            ticket = self.admission.admit(plan)
         event = CacheLookup(step, plan, "; ".join(abandoned))
         self.events.append(event)
         self.metrics.record(event)
-        return plan, state
+        return plan, state, ticket
 
     def _restore(self, plan: ReusePlan) -> tuple[ModelState | None, str]:
         """Assemble the plan's prefix. Returns (None, reason) when the plan went stale (a record
@@ -157,15 +186,16 @@ class PrefixCache:
                     return why
         return None
 
-    def writer(self, plan: ReusePlan) -> RequestWriter:
-        return RequestWriter(self, plan)
+    def writer(self, plan: ReusePlan, ticket: int | None = None) -> RequestWriter:
+        return RequestWriter(self, plan, ticket)
 
 
 class RequestWriter:
     """Records one request's segments as the engine crosses their boundaries."""
 
-    def __init__(self, cache: PrefixCache, plan: ReusePlan):
+    def __init__(self, cache: PrefixCache, plan: ReusePlan, ticket: int | None = None):
         self.cache = cache
+        self.ticket = ticket
         self.parent = plan.keys[-1] if plan.keys else ROOT
         self.next_index = plan.usable_tokens // cache.block_size
         self.captured: list[tuple[bytes, int]] = []  # (key, segment index) whose snapshots we added
@@ -196,6 +226,9 @@ class RequestWriter:
     def finish(self) -> None:
         """Keep boundary snapshots only every K segments, at the request end and at the branch
         point (the first boundary this request wrote); drop the others it wrote."""
+        if self.ticket is not None:
+            self.cache.admission.release(self.ticket)
+            self.ticket = None
         if not self.captured:
             return
         every = self.cache.config.checkpoint_every
