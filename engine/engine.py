@@ -66,6 +66,7 @@ class Generation:
     timings: Timings = field(default_factory=Timings)
     state: ModelState | None = field(default=None, repr=False)  # describes prompt + token_ids[:-1]
     plan: ReusePlan | None = None  # the cache's plan for the prompt, when a cache is in use
+    prompt_logits: torch.Tensor | None = field(default=None, repr=False)  # after the prompt's last token
 
 
 class Engine:
@@ -156,6 +157,7 @@ class Engine:
         t0 = time.perf_counter()
         run = self.start(prompt_ids, state)
         state, logits = run.state, run.logits
+        prompt_logits = logits
         timings.cache_n = run.plan.usable_tokens if run.plan is not None else 0
         timings.prompt_ms = 1000 * (time.perf_counter() - t0)
 
@@ -182,7 +184,7 @@ class Engine:
         timings.predicted_ms = 1000 * (time.perf_counter() - t0)
         timings.predicted_n = len(out)
         run.finish()
-        return Generation(out, reason, timings, state, run.plan)
+        return Generation(out, reason, timings, state, run.plan, prompt_logits)
 
 
 @dataclass

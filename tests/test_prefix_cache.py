@@ -197,7 +197,7 @@ def test_reuse_off_never_reuses(model):
 
 
 def test_forced_hash_collisions_are_caught_by_token_comparison():
-    weak = lambda parent, fp, tokens: bytes([sum(tokens) % 2]) * 16  # noqa: E731  (1 bit of hash)
+    weak = lambda parent, fp, data: bytes([sum(data) % 2]) * 16  # noqa: E731  (1 bit of hash)
     index = PrefixIndex(4, b"fp", hash_fn=weak)
     assert index.insert(b"\0" * 16, 0, [1, 2, 3, 4]) is not None
     # [2, 2, 3, 3] hashes like [1, 2, 3, 4]: a hit by hash, refused by tokens

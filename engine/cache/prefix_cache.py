@@ -36,6 +36,8 @@ class CacheConfig:
     block_size: int = 64
     budget_bytes: int = 1 << 30
     checkpoint_every: int = 4  # boundary snapshots kept every K segments (plus request ends, branch points)
+    checkpoint_request_end: bool = True  # keep the last boundary a request wrote
+    checkpoint_branch_point: bool = True  # keep the first boundary a request wrote (where it left the cache)
     reuse: str = "exact"  # "exact" | "off"
     max_pending_recoveries: int = 4  # admission cap: reuses in flight that still need recovery
     recovery_budget_tokens: int = 1 << 16  # admission cap: tokens those may recompute, together
@@ -231,8 +233,13 @@ class RequestWriter:
             self.ticket = None
         if not self.captured:
             return
-        every = self.cache.config.checkpoint_every
-        keep = {self.captured[0][0], self.captured[-1][0]}
+        cfg = self.cache.config
+        every = cfg.checkpoint_every
+        keep = set()
+        if cfg.checkpoint_branch_point:
+            keep.add(self.captured[0][0])
+        if cfg.checkpoint_request_end:
+            keep.add(self.captured[-1][0])
         for key, j in self.captured:
             if key in keep or (j + 1) % every == 0:
                 continue

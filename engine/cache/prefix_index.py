@@ -24,12 +24,13 @@ import xxhash
 ROOT = b"\x00" * 16
 
 
-def segment_hash(parent: bytes, fingerprint: bytes, tokens: Sequence[int]) -> bytes:
-    h = xxhash.xxh3_128()
-    h.update(parent)
-    h.update(fingerprint)
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return h.digest()
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype=np.int64).tobytes()
+
+
+def segment_hash(parent: bytes, fingerprint: bytes, data: bytes) -> bytes:
+    """Key of a segment whose token ids, as int64 bytes, are `data`."""
+    return xxhash.xxh3_128_digest(parent + fingerprint + data)
 
 
 @dataclass(eq=False)
@@ -38,6 +39,7 @@ class SegmentNode:
     parent: bytes
     index: int  # segment number: tokens [index*B, (index+1)*B)
     tokens: tuple[int, ...]
+    data: bytes  # the same token ids as int64 bytes: what every hit is compared against
     children: dict[bytes, SegmentNode] = field(default_factory=dict)
 
 
@@ -62,8 +64,9 @@ class PrefixIndex:
     def keys_for(self, tokens: Sequence[int]) -> list[bytes]:
         """Chained keys of every whole segment of `tokens`."""
         keys, parent, b = [], ROOT, self.block_size
+        raw = token_bytes(tokens)  # converted once, sliced per segment (8 bytes a token)
         for j in range(len(tokens) // b):
-            parent = self.hash_fn(parent, self.fingerprint, tokens[j * b:(j + 1) * b])
+            parent = self.hash_fn(parent, self.fingerprint, raw[8 * j * b:8 * (j + 1) * b])
             keys.append(parent)
         return keys
 
@@ -71,11 +74,16 @@ class PrefixIndex:
         b = self.block_size
         found: list[SegmentNode] = []
         collisions = 0
-        for j, key in enumerate(self.keys_for(tokens)):
+        raw = token_bytes(tokens)
+        parent = ROOT
+        for j in range(len(tokens) // b):
+            # hashed lazily: nothing past the first miss is hashed
+            chunk = raw[8 * j * b:8 * (j + 1) * b]
+            key = parent = self.hash_fn(parent, self.fingerprint, chunk)
             node = self.nodes.get(key)
             if node is None:
                 break
-            if node.tokens != tuple(tokens[j * b:(j + 1) * b]):
+            if node.data != chunk:
                 collisions += 1
                 break
             found.append(node)
@@ -100,14 +108,15 @@ class PrefixIndex:
         seg = tuple(seg_tokens)
         if len(seg) != self.block_size:
             raise ValueError(f"a segment has {self.block_size} tokens, got {len(seg)}")
-        key = self.hash_fn(parent, self.fingerprint, seg)
+        data = token_bytes(seg)
+        key = self.hash_fn(parent, self.fingerprint, data)
         node = self.nodes.get(key)
         if node is not None:
-            if node.tokens != seg or node.index != index:
+            if node.data != data or node.index != index:
                 self.collisions += 1
                 return None
             return node
-        node = SegmentNode(key, parent, index, seg)
+        node = SegmentNode(key, parent, index, seg, data)
         self.nodes[key] = node
         if index == 0:
             self.roots[key] = node

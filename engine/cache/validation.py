@@ -104,18 +104,20 @@ class Validator:
             records.append(rec)
         n = len(records)
 
-        # per-segment kinds serve every boundary up to their first gap
-        limit = n
+        # per-segment kinds serve every boundary up to their first gap; the common case (a record
+        # holding all of them) is one set inclusion, the per-kind search runs only past a gap
+        per_segment = [r for r in self.requirements if r.per_segment]
+        need = {(r.layer, r.kind) for r in per_segment}
+        complete = next((j for j, r in enumerate(records) if not need <= r.pieces.keys()), n)
         gap_of: dict[tuple[int, str], int] = {}
-        for req in self.requirements:
-            if req.per_segment:
-                gap = next((j for j, r in enumerate(records) if not r.has(req.layer, req.kind)), n)
-                gap_of[(req.layer, req.kind)] = gap
-                limit = min(limit, gap)
+        for req in per_segment:
+            key = (req.layer, req.kind)
+            gap_of[key] = next((j for j in range(complete, n) if key not in records[j].pieces), n)
+        limit = complete
         # boundary kinds need their snapshot exactly at the chosen boundary
         k = limit
-        snapshots = [r for r in self.requirements if not r.per_segment]
-        while k > 0 and not all(records[k - 1].has(r.layer, r.kind) for r in snapshots):
+        snapshots = {(r.layer, r.kind) for r in self.requirements if not r.per_segment}
+        while k > 0 and not snapshots <= records[k - 1].pieces.keys():
             k -= 1
 
         objects: list[ObjectPlan] = []
