@@ -96,9 +96,10 @@ class Engine:
             raise PromptError(f"the prompt has {len(ids)} tokens, past the context limit of {self.context_limit}")
 
     def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
-                on_boundary: Callable[[ModelState], None] | None = None, block_size: int = 0) -> torch.Tensor:
+                on_stop: Callable[[ModelState], None] | None = None,
+                next_stop: Callable[[int], int] | None = None) -> torch.Tensor:
         """Run `ids` through the model in chunks, advancing `state`; return the last token's logits.
-        With `on_boundary`, chunks also end at every multiple of `block_size`, where it is called."""
+        With `next_stop`, chunks also end at each position it names, where `on_stop` is called."""
         if len(ids) == 0:
             raise PromptError("nothing to prefill")
         if state.seq_len + len(ids) > self.context_limit:
@@ -109,12 +110,12 @@ class Engine:
         lo = 0
         while lo < len(tokens):
             hi = min(lo + chunk, len(tokens))
-            if on_boundary is not None:
-                next_boundary = (state.seq_len // block_size + 1) * block_size
-                hi = min(hi, lo + next_boundary - state.seq_len)
+            stop = next_stop(state.seq_len) if next_stop is not None else None
+            if stop is not None:
+                hi = min(hi, lo + stop - state.seq_len)
             logits = self.model(tokens[lo:hi], state, last_only=True)
-            if on_boundary is not None and state.seq_len % block_size == 0:
-                on_boundary(state)
+            if stop is not None and state.seq_len == stop:
+                on_stop(state)
             lo = hi
         return logits[0, -1]
 
@@ -135,14 +136,14 @@ class Engine:
         if writer is None:
             started.logits = self.prefill(fed[state.seq_len:], state)
             return started
-        b = self.cache.block_size
+        stops = writer.next_stop
         recover_to = plan.matched_tokens if any(o.action.value == "recover" for o in plan.objects) else 0
         if state.seq_len < recover_to:
             # the recovery work, timed on its own: recompute what a missing state kind cost us
             t0 = time.perf_counter()
-            self.prefill(fed[state.seq_len:recover_to], state, on_boundary=started.capture, block_size=b)
+            self.prefill(fed[state.seq_len:recover_to], state, on_stop=started.capture, next_stop=stops)
             self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
-        started.logits = self.prefill(fed[state.seq_len:], state, on_boundary=started.capture, block_size=b)
+        started.logits = self.prefill(fed[state.seq_len:], state, on_stop=started.capture, next_stop=stops)
         if plan.usable_tokens and self.cache.should_shadow():
             cold = Engine(self.model, self.config).start(fed).logits
             self.cache.metrics.record_shadow((started.logits - cold).abs().max().item())

@@ -200,30 +200,49 @@ class RequestWriter:
         self.ticket = ticket
         self.parent = plan.keys[-1] if plan.keys else ROOT
         self.next_index = plan.usable_tokens // cache.block_size
+        self.prompt_end = plan.prompt_tokens // cache.block_size * cache.block_size
+        self.first: bytes | None = None  # the branch point: the first boundary whose snapshots we added
         self.captured: list[tuple[bytes, int]] = []  # (key, segment index) whose snapshots we added
 
+    def next_stop(self, seq_len: int) -> int:
+        """The next boundary after seq_len whose snapshots this request will keep: the branch
+        point (its first boundary), every K-th segment, the prompt's last whole segment. Prefill
+        runs in chunks up to these stops only; segments in between get their per-segment pieces
+        when the next stop is reached."""
+        b, every = self.cache.block_size, self.cache.config.checkpoint_every
+        nxt = (seq_len // b + 1) * b
+        stops = [(seq_len // (b * every) + 1) * b * every]
+        if self.first is None and self.cache.config.checkpoint_branch_point:
+            stops.append(nxt)
+        if self.prompt_end > seq_len:
+            stops.append(self.prompt_end)
+        return min(stops)
+
     def capture(self, state: ModelState, tokens: Sequence[int]) -> None:
-        """Called whenever state.seq_len is a multiple of the block size."""
-        if self.cache.config.reuse == "off":
+        """Register every whole segment up to state.seq_len (a multiple of the block size): each
+        with its per-segment pieces, the last one also with the state's snapshots."""
+        if self.cache.config.reuse == "off" or self.next_index < 0:
             return
         b = self.cache.block_size
         hi = state.seq_len
-        j = hi // b - 1
-        if j != self.next_index or hi == 0:
-            return
-        node = self.cache.index.insert(self.parent, j, tokens[hi - b:hi])
-        self.next_index += 1
-        if node is None:  # collision: the chain stops here for this request
-            self.next_index = -1
-            return
-        self.parent = node.key
-        before = self.cache.table.get(node.key)
-        had = set(before.pieces) if before is not None else set()
-        pieces = {(i, kind): replace(piece, position=hi) for i, layer in enumerate(state.layers)
-                  for kind, piece in layer.export(hi - b, hi).items()}
-        self.cache.table.put(node.key, j, self.cache.layout, pieces)
-        if any(not p.per_segment and k not in had for k, p in pieces.items()):
-            self.captured.append((node.key, j))
+        last = hi // b - 1
+        while 0 <= self.next_index <= last:
+            j = self.next_index
+            node = self.cache.index.insert(self.parent, j, tokens[j * b:(j + 1) * b])
+            if node is None:  # collision: the chain stops here for this request
+                self.next_index = -1
+                return
+            self.next_index += 1
+            self.parent = node.key
+            before = self.cache.table.get(node.key)
+            had = set(before.pieces) if before is not None else set()
+            pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
+                      for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=j == last).items()}
+            self.cache.table.put(node.key, j, self.cache.layout, pieces)
+            if any(not p.per_segment and k not in had for k, p in pieces.items()):
+                self.captured.append((node.key, j))
+                if self.first is None:
+                    self.first = node.key
 
     def finish(self) -> None:
         """Keep boundary snapshots only every K segments, at the request end and at the branch
@@ -236,8 +255,8 @@ class RequestWriter:
         cfg = self.cache.config
         every = cfg.checkpoint_every
         keep = set()
-        if cfg.checkpoint_branch_point:
-            keep.add(self.captured[0][0])
+        if cfg.checkpoint_branch_point and self.first is not None:
+            keep.add(self.first)
         if cfg.checkpoint_request_end:
             keep.add(self.captured[-1][0])
         for key, j in self.captured:

@@ -68,8 +68,9 @@ class LayerState(Protocol):
 
     def objects(self, layer: int, seq_len: int) -> list[StateObject]: ...
     def nbytes(self) -> int: ...
-    # copies of this state's pieces for the segment [lo, hi); the state's seq_len must be hi
-    def export(self, lo: int, hi: int) -> dict[str, Piece]: ...
+    # copies of this state's pieces for the segment [lo, hi): its per-segment slices, and, when
+    # `snapshots`, the snapshots (which describe the state's current seq_len, so it must be hi)
+    def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]: ...
     # a new state at seq_len from pieces (per-segment kinds: a list in segment order), with this
     # (fresh) state as the template for shapes, dtypes and rates
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> LayerState: ...
@@ -132,7 +133,7 @@ class KVState:
         shape = (2, self.k.shape[0], self.k.shape[1], self.length, self.k.shape[3])
         return [StateObject(layer, "kv", shape, True, (0, self.length), self.nbytes(), self.length)]
 
-    def export(self, lo: int, hi: int) -> dict[str, Piece]:
+    def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
         return {"kv": Piece(True, (self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone()))}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> KVState:
@@ -166,7 +167,9 @@ class GDNState:
                         _nbytes(self.conv)),
         ]
 
-    def export(self, lo: int, hi: int) -> dict[str, Piece]:
+    def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
+        if not snapshots:
+            return {}
         return {"recurrent": Piece(False, self.recurrent.clone()), "conv": Piece(False, self.conv.clone())}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:
@@ -205,8 +208,8 @@ class WindowState:
     def objects(self, layer: int, seq_len: int) -> list[StateObject]:
         return [_tokens(layer, "window", self.kv, self.start)]
 
-    def export(self, lo: int, hi: int) -> dict[str, Piece]:
-        return {"window": Piece(False, self.kv.clone())}
+    def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
+        return {"window": Piece(False, self.kv.clone())} if snapshots else {}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> WindowState:
         return WindowState(pieces["window"].clone(), seq_len)
@@ -247,12 +250,12 @@ class CompressedState:
                                    _nbytes(self.overlap_kv) + _nbytes(self.overlap_gate), m, 1, 1, (n - 1) * m))
         return out
 
-    def export(self, lo: int, hi: int, prefix: str = "") -> dict[str, Piece]:
+    def export(self, lo: int, hi: int, snapshots: bool = True, prefix: str = "") -> dict[str, Piece]:
         m = self.rate
-        out = {
-            prefix + ("keys" if prefix else "compressed"): Piece(True, self.entries[:, lo // m: hi // m].clone()),
-            prefix + "tail": Piece(False, (self.tail_kv.clone(), self.tail_gate.clone())),
-        }
+        out = {prefix + ("keys" if prefix else "compressed"): Piece(True, self.entries[:, lo // m: hi // m].clone())}
+        if not snapshots:
+            return out
+        out[prefix + "tail"] = Piece(False, (self.tail_kv.clone(), self.tail_gate.clone()))
         if self.overlapping:
             out[prefix + "overlap"] = Piece(False, _clone((self.overlap_kv, self.overlap_gate))
                                             if self.overlap_kv is not None else None)
@@ -285,12 +288,12 @@ class V4AttnState:
             out += self.indexer.objects(layer, seq_len, prefix="index_")
         return out
 
-    def export(self, lo: int, hi: int) -> dict[str, Piece]:
-        out = self.window.export(lo, hi)
+    def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
+        out = self.window.export(lo, hi, snapshots)
         if self.compressor is not None:
-            out |= self.compressor.export(lo, hi)
+            out |= self.compressor.export(lo, hi, snapshots)
         if self.indexer is not None:
-            out |= self.indexer.export(lo, hi, prefix="index_")
+            out |= self.indexer.export(lo, hi, snapshots, prefix="index_")
         return out
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> V4AttnState:
