@@ -42,7 +42,8 @@ class CacheMachine(RuleBasedStateMachine):
         from pathlib import Path
 
         self.model = _model(Path(tempfile.gettempdir()))
-        self.cache = PrefixCache(self.model, CacheConfig(block_size=B, checkpoint_every=2, budget_bytes=64 << 20))
+        self.cache = PrefixCache(self.model, CacheConfig(block_size=B, checkpoint_every=2, budget_bytes=64 << 20,
+                                                         host_budget_bytes=1 << 20))
         self.engine = Engine(self.model, cache=self.cache)
         self.oracle = Engine(self.model)
         self.history: dict[int, list[int]] = {}
@@ -109,7 +110,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting_matches_the_pieces(self):
-        assert self.cache.table.used == sum(r.nbytes() for r in self.cache.table)
+        table = self.cache.table
+        assert table.used == sum(r.nbytes() for r in table if r.tier == "device")
+        assert table.host_used == sum(r.nbytes() for r in table if r.tier == "host")
         assert all(r.pins == 0 for r in self.cache.table)
 
 

@@ -207,14 +207,19 @@ def test_forced_hash_collisions_are_caught_by_token_comparison():
     assert index.match([1, 2, 3, 4, 7]).segments[0].tokens == (1, 2, 3, 4)
 
 
-@pytest.mark.parametrize("length", [1, B - 1, B, B + 1, 2 * B, 2 * B + 1, 3 * B + 5])
+# B = 16; the V4 fixtures use window 8 and compress rates 4 and 32: lengths around each of them
+@pytest.mark.parametrize("length", sorted({1, B - 1, B, B + 1, 2 * B, 2 * B + 1, 3 * B + 5, 3, 4, 5, 7, 8, 9,
+                                           31, 32, 33, 63, 64, 65}))
 def test_boundary_matrix_usable_length(model, length):
     engine, prompt = _warm(model, length=max(length, 1))
     # a prompt equal to the cached one leaves its last token to compute; one token more reuses all
-    same = engine.start(prompt).plan.usable_tokens
-    longer = engine.start(prompt + [1]).plan.usable_tokens
-    assert same == (length - 1) // B * B
-    assert longer == length // B * B
+    # whole segments: snapshots at each kept boundary carry the open windows' tails, so the
+    # compress rates and the window never cut the usable length
+    same = engine.start(prompt)
+    longer = engine.start(prompt + [1])
+    assert same.plan.usable_tokens == (length - 1) // B * B
+    assert longer.plan.usable_tokens == length // B * B
+    assert (longer.logits - _cold_logits(model, prompt + [1])).abs().max().item() <= 1e-4
 
 
 def test_a_window_snapshot_from_another_boundary_is_caught_not_used(model):
@@ -305,3 +310,15 @@ def test_topology_guard_and_admission_units():
     assert guard.check(b"a") and not guard.check(b"b") and guard.mismatches == 1
     with pytest.raises(ValueError):
         AdmissionControl(max_pending=0)
+
+
+def test_over_the_device_budget_records_go_to_host_and_come_back_exact(model):
+    engine, prompt = _warm(model, host_budget_bytes=64 << 20)
+    table = engine.cache.table
+    table.set_budget(1)  # nothing fits on the device: everything unpinned is demoted
+    assert table.demotions > 0 and table.used == 0 and all(r.tier == "host" for r in table)
+    table.budget = 64 << 20
+    run = engine.start(prompt + [6])
+    assert run.plan.usable_tokens == len(prompt) // B * B
+    assert (run.logits - _cold_logits(model, prompt + [6])).abs().max().item() <= 1e-4
+    assert table.host_used == sum(r.nbytes() for r in table if r.tier == "host")

@@ -34,7 +34,8 @@ LAYOUT_VERSION = 1  # bump when a state piece's layout changes
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 64
-    budget_bytes: int = 1 << 30
+    budget_bytes: int = 1 << 30  # device tier
+    host_budget_bytes: int = 0  # host tier: device records are demoted here before they are evicted
     checkpoint_every: int = 4  # boundary snapshots kept every K segments (plus request ends, branch points)
     checkpoint_request_end: bool = True  # keep the last boundary a request wrote
     checkpoint_branch_point: bool = True  # keep the first boundary a request wrote (where it left the cache)
@@ -78,7 +79,7 @@ class PrefixCache:
         self.template = model.new_state()
         self.layout = layout_fingerprint(model, self.config)
         self.index = PrefixIndex(self.config.block_size, self.layout)
-        self.table = StateTable(self.config.budget_bytes)
+        self.table = StateTable(self.config.budget_bytes, self.config.host_budget_bytes)
         self.table.on_evict = self.index.remove
         self.template_pieces = [s.export(0, 0) for s in self.template.layers]
         reqs = [Requirement(i, kind, piece.per_segment)
@@ -142,6 +143,8 @@ class PrefixCache:
         self.table.pin(keys)  # from here to the end of assembly nothing can evict them
         try:
             records = [self.table.get(k) for k in keys]
+            for rec in records:
+                self.table.promote(rec, self.model.device)
             versions = [r.version for r in records]
             layers = []
             for i, template in enumerate(self.template.layers):

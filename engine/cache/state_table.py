@@ -3,14 +3,16 @@
 A record holds the segment's pieces per (layer, kind) (see `states.Piece`): per-segment slices
 (KV, compressed entries, index keys) and boundary snapshots at the segment's end (GDN checkpoint,
 SWA window, tails, overlaps). Presence is read off the pieces themselves, never kept twice.
-Records are evicted least-recently-used under a byte budget; a pinned record is never evicted.
-Every change to a record's pieces bumps its version, so a plan made before the change can tell.
+Two tiers with a byte budget each: records live on the model's device; past the device budget
+the least-recently-used are demoted to host memory, past the host budget (checked against the
+memory psutil reports available) they are evicted. A pinned record is never moved or evicted.
+Every change to a record's pieces (or tier) bumps its version, so a plan made before can tell.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 
@@ -46,16 +48,28 @@ class SegmentRecord:
         return freed
 
 
+def _to(data, device):
+    if data is None:
+        return None
+    if isinstance(data, tuple):
+        return tuple(_to(t, device) for t in data)
+    return data.to(device)
+
+
 class StateTable:
-    def __init__(self, budget_bytes: int):
-        if budget_bytes <= 0:
-            raise ValueError("the cache budget must be > 0 bytes")
+    def __init__(self, budget_bytes: int, host_budget_bytes: int = 0):
+        if budget_bytes <= 0 or host_budget_bytes < 0:
+            raise ValueError("the cache budget must be > 0 bytes (and the host budget >= 0)")
         available = psutil.virtual_memory().available
-        if budget_bytes > available:
-            raise ValueError(f"cache budget {budget_bytes} B exceeds the {available} B of memory available")
+        if budget_bytes + host_budget_bytes > available:
+            raise ValueError(f"cache budgets {budget_bytes + host_budget_bytes} B exceed the {available} B of "
+                             "memory available")
         self.budget = budget_bytes
+        self.host_budget = host_budget_bytes
         self.records: dict[bytes, SegmentRecord] = {}
         self.used = 0
+        self.host_used = 0
+        self.demotions = 0
         self.step = 0
         self.evictions = 0
         self.on_evict = None  # called with each evicted key (the prefix index forgets it)
@@ -80,9 +94,13 @@ class StateTable:
             rec = self.records[key] = SegmentRecord(key, index, layout, written_step=self.step)
         added = {k: p for k, p in pieces.items() if k not in rec.pieces}
         if added:
+            if rec.tier == "host":
+                added = {k: replace(p, data=_to(p.data, "cpu")) for k, p in added.items()}
+                self.host_used += sum(p.nbytes() for p in added.values())
+            else:
+                self.used += sum(p.nbytes() for p in added.values())
             rec.pieces.update(added)
             rec.version += 1
-            self.used += sum(p.nbytes() for p in added.values())
         self.touch(rec)
         self.enforce_budget()
         return rec
@@ -90,27 +108,60 @@ class StateTable:
     def drop(self, key: bytes, predicate) -> None:
         rec = self.records.get(key)
         if rec is not None:
-            self.used -= rec.drop(predicate)
+            freed = rec.drop(predicate)
+            if rec.tier == "host":
+                self.host_used -= freed
+            else:
+                self.used -= freed
 
     def remove(self, key: bytes) -> SegmentRecord | None:
         rec = self.records.pop(key, None)
         if rec is not None:
-            self.used -= rec.nbytes()
+            if rec.tier == "host":
+                self.host_used -= rec.nbytes()
+            else:
+                self.used -= rec.nbytes()
         return rec
+
+    def promote(self, rec: SegmentRecord, device) -> None:
+        """Bring a host-tier record back to the device before its pieces are used."""
+        if rec.tier != "host":
+            return
+        rec.pieces = {k: replace(p, data=_to(p.data, device)) for k, p in rec.pieces.items()}
+        rec.tier = "device"
+        rec.version += 1
+        size = rec.nbytes()
+        self.host_used -= size
+        self.used += size
+
+    def _demote(self, rec: SegmentRecord) -> None:
+        rec.pieces = {k: replace(p, data=_to(p.data, "cpu")) for k, p in rec.pieces.items()}
+        rec.tier = "host"
+        rec.version += 1
+        size = rec.nbytes()
+        self.used -= size
+        self.host_used += size
+        self.demotions += 1
 
     def set_budget(self, budget_bytes: int) -> list[bytes]:
         self.budget = budget_bytes
         return self.enforce_budget()
 
     def enforce_budget(self) -> list[bytes]:
-        """Evict unpinned records, least recently used first, until within budget."""
+        """Demote unpinned device records to host, then evict unpinned host records, least
+        recently used first, until both tiers are within budget."""
         evicted = []
-        if self.used <= self.budget:
+        if self.used <= self.budget and self.host_used <= self.host_budget:
             return evicted
         for rec in sorted(self.records.values(), key=lambda r: r.last_access_step):
             if self.used <= self.budget:
                 break
-            if rec.pins:
+            if not rec.pins and rec.tier == "device":
+                self._demote(rec)
+        for rec in sorted(self.records.values(), key=lambda r: r.last_access_step):
+            if self.host_used <= self.host_budget and self.used <= self.budget:
+                break
+            if rec.pins or (rec.tier == "device" and self.used <= self.budget):
                 continue
             self.remove(rec.key)
             evicted.append(rec.key)
