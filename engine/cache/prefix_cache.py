@@ -16,14 +16,18 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import Protocol
+
+import numpy as np
 
 from engine.cache.prefix_index import ROOT, PrefixIndex
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
-from engine.cache.states import ModelState
+from engine.cache.states import ModelState, Piece
 from engine.cache.validation import Requirement, ReusePlan, Validator, check_buffer
 from engine.events import CacheLookup
 from engine.metrics import CacheMetrics
@@ -43,6 +47,8 @@ class CacheConfig:
     max_pending_recoveries: int = 4  # admission cap: reuses in flight that still need recovery
     recovery_budget_tokens: int = 1 << 16  # admission cap: tokens those may recompute, together
     static: bool = False  # static execution: freeze the cache topology, check it on every replay
+    lower_deadline_s: float = 1.0  # a lower-tier (disk) read must arrive within this ...
+    lower_deadline_per_token_s: float = 1e-4  # ... plus this per prompt token
     shadow_fraction: float = 0.0  # share of hits recomputed cold and compared (shadow verification)
     seed: int = 0
 
@@ -72,9 +78,21 @@ def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
     return h.digest()
 
 
+class LowerTier(Protocol):
+    """A slower tier behind the table (store.tier.DiskTier). Plain values only: a piece is
+    (per_segment, data, position); failures come back as (None, reason), never as exceptions."""
+
+    def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
+             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> None: ...
+    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]: ...
+    def segments(self) -> list[dict]: ...
+
+
 class PrefixCache:
-    def __init__(self, model, config: CacheConfig | None = None):
+    def __init__(self, model, config: CacheConfig | None = None, lower: LowerTier | None = None):
         self.config = config or CacheConfig()
+        self.lower = lower
+        self.persisted: dict[bytes, int] = {}  # key -> record version last saved to the lower tier
         self.model = model
         self.template = model.new_state()
         self.layout = layout_fingerprint(model, self.config)
@@ -93,6 +111,49 @@ class PrefixCache:
         if self.config.static:
             self.guard.freeze(self.topology)
         self._rng = random.Random(self.config.seed)
+        if lower is not None:
+            self._index_lower()
+
+    def _index_lower(self) -> None:
+        """Make the lower tier's segments matchable: they are logical hits until fetched."""
+        for row in self.lower.segments():
+            tokens = np.frombuffer(row["tokens"], dtype=np.int64).tolist()
+            node = self.index.insert(bytes.fromhex(row["parent"]), row["idx"], tokens)
+            if node is not None and node.key.hex() != row["key"]:
+                self.index.remove(node.key)
+
+    def _fetch(self, segments, prompt_len: int, reasons: list[str]) -> None:
+        """Bring matched segments that only the lower tier holds into the table, in order, until
+        one fails or the deadline passes: what does not arrive verified is recomputed."""
+        if self.lower is None:
+            return
+        deadline = time.monotonic() + self.config.lower_deadline_s + self.config.lower_deadline_per_token_s * prompt_len
+        for node in segments:
+            if node.key in self.table:
+                continue
+            pieces, why = self.lower.load(node.key, deadline)
+            if pieces is None:
+                reasons.append(f"lower tier: segment {node.index}: {why}; recomputed from there")
+                self.metrics.lower_failures[why.split(":", 1)[0]] += 1
+                return
+            rec = self.table.put(node.key, node.index, self.layout, {k: Piece(*v) for k, v in pieces.items()})
+            self.persisted[node.key] = rec.version
+            self.metrics.lower_fetches += 1
+
+    def save(self) -> int:
+        """Write every record the lower tier lacks (or holds an older version of); returns count."""
+        if self.lower is None:
+            return 0
+        n = 0
+        for rec in list(self.table):
+            node = self.index.nodes.get(rec.key)
+            if node is None or self.persisted.get(rec.key) == rec.version:
+                continue
+            self.lower.save(rec.key, node.parent, node.index, node.data, rec.layout,
+                            {k: (p.per_segment, p.data, p.position) for k, p in rec.pieces.items()})
+            self.persisted[rec.key] = rec.version
+            n += 1
+        return n
 
     def should_shadow(self) -> bool:
         return self.config.shadow_fraction > 0 and self._rng.random() < self.config.shadow_fraction
@@ -111,6 +172,7 @@ class PrefixCache:
             match = self.index.match(tokens)
             if self.config.reuse == "off":
                 match = match._replace(segments=[])
+            self._fetch(match.segments[:(len(tokens) - 1) // self.block_size], len(tokens), abandoned)
             plan = self.validator.plan(len(tokens), match, self.table)
             state, why = self._restore(plan)
             if state is not None:
@@ -254,6 +316,7 @@ class RequestWriter:
             self.cache.admission.release(self.ticket)
             self.ticket = None
         if not self.captured:
+            self.cache.save()
             return
         cfg = self.cache.config
         every = cfg.checkpoint_every
@@ -266,3 +329,5 @@ class RequestWriter:
             if key in keep or (j + 1) % every == 0:
                 continue
             self.cache.table.drop(key, lambda layer, kind, piece: not piece.per_segment)
+        # the end of every turn: what was answered is on the lower tier before the next one
+        self.cache.save()

@@ -1,0 +1,53 @@
+"""The workbench's SQLite file: schema and migrations (sqlite-utils), WAL, busy timeout.
+
+One file per workbench home. Tables:
+    models    fingerprint -> config (JSON)
+    segments  chained segment key, parent key, index, layout fingerprint, token ids (int64 bytes),
+              their digest, per-state presence (JSON), bytes; written in the same transaction as
+              its blobs, so a segment row is never visible without its data
+    blobs     one encoded tensor per (segment, layer, kind, part): codec, raw length, stored length,
+              checksum (xxh3-128 over the blob *and* its identity, so a blob moved to another row
+              fails), the bytes
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import sqlite_utils
+from sqlite_utils.migrations import Migrations
+
+migrations = Migrations("hcw")
+
+
+@migrations()
+def m001_cache_tables(db: sqlite_utils.Database) -> None:
+    db["models"].create({"fingerprint": str, "config": str, "created": str}, pk="fingerprint")
+    db["segments"].create({"key": str, "parent": str, "idx": int, "layout": str, "tokens": bytes,
+                           "token_digest": str, "presence": str, "bytes": int, "created": str}, pk="key")
+    db["blobs"].create({"id": int, "segment": str, "layer": int, "kind": str, "part": int, "per_segment": int,
+                        "position": int, "is_none": int, "codec": str, "raw_len": int, "length": int,
+                        "checksum": bytes, "data": bytes}, pk="id", foreign_keys=[("segment", "segments", "key")])
+    db["blobs"].create_index(["segment"])
+    db["segments"].create_index(["layout"])
+
+
+def default_home() -> Path:
+    env = os.environ.get("HCW_HOME")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "hcw"
+
+
+def open_db(path: str | Path | None = None, timeout_s: float = 5.0) -> sqlite_utils.Database:
+    """Open (creating and migrating) the workbench database."""
+    path = Path(path) if path is not None else default_home() / "hcw.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite_utils.Database(path)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+    db.execute("PRAGMA foreign_keys=ON")
+    migrations.apply(db)
+    return db

@@ -1,0 +1,148 @@
+"""DiskTier: the lowest tier of the prefix cache. It implements the engine's `LowerTier`
+protocol (engine/cache/prefix_cache.py) with plain values, so store/ imports nothing of engine/:
+a piece is (per_segment, data, position), data a tensor, a tuple of tensors, or None.
+
+    save(...)            every piece's tensors encoded (codec.py), blobs and the segment row
+                         written in one transaction: visible only after commit, never half
+    load(key, deadline)  row -> layout fingerprint -> each blob: stored length, checksum over blob
+                         and identity, decode (header, declared size, zstd checksum) -> pieces,
+                         or (None, reason): the cache then recomputes that range
+
+A disk hit is only a logical hit until `load` returns pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import struct
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import sqlite_utils
+
+from store.codec import BlobError, checksum, decode, encode
+from store.db import open_db
+
+
+class DiskMiss(Exception):
+    """A segment the disk tier cannot deliver; the message is the reason."""
+
+
+def _identity(key: str, layer: int, kind: str, part: int) -> bytes:
+    return key.encode() + struct.pack("<iI", layer, part) + kind.encode()
+
+
+class DiskTier:
+    def __init__(self, path: str | Path | None = None, layout: bytes = b""):
+        self.db: sqlite_utils.Database = open_db(path)
+        self.path = Path(self.db.conn.execute("PRAGMA database_list").fetchone()[2])
+        self.layout = layout.hex()
+        self.saved = 0
+        self.failures: dict[str, int] = {}
+        self.read_hook = None  # fault-injection seam: called with the key before each read
+
+    def register_model(self, fingerprint: bytes, config: dict) -> None:
+        self.db["models"].upsert({"fingerprint": fingerprint.hex(), "config": json.dumps(config, default=str),
+                                  "created": _now()}, pk="fingerprint")
+
+    def has(self, key: bytes) -> bool:
+        return self.db.execute("SELECT 1 FROM segments WHERE key = ?", [key.hex()]).fetchone() is not None
+
+    def save(self, key_b: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
+             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> None:
+        key = key_b.hex()
+        rows = []
+        for (layer, kind), (per_segment, data, position) in sorted(pieces.items()):
+            items = data if isinstance(data, tuple) else (data,)
+            for part, t in enumerate(items):
+                base = {"segment": key, "layer": layer, "kind": kind, "part": part,
+                        "per_segment": int(per_segment), "position": position,
+                        "is_none": int(t is None), "codec": "hcwb1+zstd"}
+                if t is None:
+                    rows.append({**base, "raw_len": 0, "length": 0, "checksum": checksum(_identity(key, layer, kind, part)),
+                                 "data": b""})
+                    continue
+                blob = encode(t)
+                rows.append({**base, "raw_len": t.numel() * t.element_size(), "length": len(blob),
+                             "checksum": checksum(_identity(key, layer, kind, part) + blob), "data": blob})
+        presence = sorted({f"{layer}:{kind}" for layer, kind in pieces})
+        with self.db.conn:  # one transaction: the row is visible only with all its blobs, at commit
+            self.db.execute("DELETE FROM blobs WHERE segment = ?", [key])
+            self.db["segments"].upsert({
+                "key": key, "parent": parent.hex(), "idx": index, "layout": layout.hex(),
+                "tokens": tokens, "token_digest": checksum(tokens).hex(), "presence": json.dumps(presence),
+                "bytes": sum(r["length"] for r in rows), "created": _now()}, pk="key")
+            self.db["blobs"].insert_all(rows)
+        self.saved += 1
+
+    def segments(self) -> list[dict]:
+        """Rows of this layout, parents before children."""
+        return list(self.db.query("SELECT key, parent, idx, tokens FROM segments WHERE layout = ? ORDER BY idx",
+                                  [self.layout]))
+
+    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
+        """(pieces, "") or (None, reason); every failure is counted by its kind."""
+        try:
+            return self._load(key.hex(), deadline), ""
+        except DiskMiss as e:
+            reason = str(e)
+        except (sqlite3.Error, OSError) as e:
+            reason = f"io: {e}"
+        except Exception as e:  # noqa: BLE001 - whatever else a damaged file provokes is a counted miss, not a crash
+            reason = f"unexpected: {type(e).__name__}: {e}"
+        kind = reason.split(":", 1)[0]
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+        return None, reason
+
+    def _load(self, key: str, deadline: float | None) -> dict:
+        if self.read_hook is not None:
+            self.read_hook(key)
+        row = self.db.execute("SELECT layout, tokens, token_digest, presence FROM segments WHERE key = ?",
+                              [key]).fetchone()
+        if row is None:
+            raise DiskMiss("missing: no segment row")
+        layout, tokens, digest, presence = row
+        if layout != self.layout:
+            raise DiskMiss("fingerprint: written under another model or layout")
+        if checksum(tokens).hex() != digest:
+            raise DiskMiss("checksum: token ids do not match their digest")
+        parts: dict[tuple[int, str], dict[int, object]] = {}
+        flags: dict[tuple[int, str], tuple[bool, int]] = {}
+        for layer, kind, part, per_segment, position, is_none, length, csum, data in self.db.execute(
+                "SELECT layer, kind, part, per_segment, position, is_none, length, checksum, data FROM blobs "
+                "WHERE segment = ?", [key]):
+            if deadline is not None and time.monotonic() > deadline:
+                raise DiskMiss("timeout: the read deadline passed")
+            if not isinstance(data, bytes) or len(data) != length:
+                got = len(data) if isinstance(data, bytes) else type(data).__name__
+                raise DiskMiss(f"length: blob {layer}:{kind}:{part} holds {got}, row says {length} bytes")
+            ident = _identity(key, layer, kind, part)
+            if checksum(ident + data) != csum:
+                raise DiskMiss(f"checksum: blob {layer}:{kind}:{part}")
+            if is_none:
+                value = None
+            else:
+                try:
+                    value = decode(data)
+                except BlobError as e:
+                    raise DiskMiss(f"decode: blob {layer}:{kind}:{part}: {e}") from None
+            parts.setdefault((layer, kind), {})[part] = value
+            flags[(layer, kind)] = (bool(per_segment), position)
+        expected = set(json.loads(presence))
+        if {f"{layer}:{kind}" for layer, kind in parts} != expected:
+            raise DiskMiss("missing: the segment's blobs do not cover its recorded pieces")
+        pieces = {}
+        for k, by_part in parts.items():
+            values = [by_part[i] for i in range(len(by_part))]
+            per_segment, position = flags[k]
+            pieces[k] = (per_segment, values[0] if len(values) == 1 else tuple(values), position)
+        return pieces
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()

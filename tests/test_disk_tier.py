@@ -1,0 +1,218 @@
+"""The disk tier: blob codec, resume in a new process, and every kind of corruption detected and
+recomputed - never a wrong reuse."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import load_model
+from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.engine import Engine
+from engine.model.random_init import hcw_hybrid_dict, write_random_model
+from store.codec import BlobError, decode, encode
+from store.tier import DiskTier
+
+B = 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int64]),
+       shape=st.lists(st.integers(0, 7), min_size=0, max_size=4), shuffle=st.booleans())
+def test_codec_round_trips_bit_exactly(dtype, shape, shuffle):
+    t = (torch.randn(shape) * 100).to(dtype)
+    back = decode(encode(t, shuffle=shuffle))
+    assert back.dtype == t.dtype and back.shape == t.shape
+    # bit-exact, NaN payloads included
+    assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_codec_refuses_what_it_cannot_trust():
+    blob = encode(torch.randn(4, 8))
+    with pytest.raises(BlobError, match="magic"):
+        decode(b"XXXX" + blob[4:])
+    with pytest.raises(BlobError, match="shorter"):
+        decode(blob[:5])
+    # a header claiming a huge shape: refused before any decompression
+    big = bytearray(blob)
+    big[8:16] = (1 << 40).to_bytes(8, "little")
+    with pytest.raises(BlobError, match="declares"):
+        decode(bytes(big))
+    flipped = bytearray(blob)
+    flipped[-3] ^= 0x10
+    with pytest.raises(BlobError):
+        decode(bytes(flipped))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("disk-model"), hcw_hybrid_dict(vocab=97), seed=7,
+                              byte_tokenizer=False)
+
+
+def _prompt(n=100, seed=0):
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _saved(model, db_path, prompt):
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=1), lower=_tier(model, db_path))
+    Engine(model, cache=cache).start(prompt).finish()  # finish() saves the turn
+    return cache
+
+
+def _tier(model, db_path):
+    from engine.cache.prefix_cache import layout_fingerprint
+
+    return DiskTier(db_path, layout_fingerprint(model, CacheConfig(block_size=B, checkpoint_every=1)))
+
+
+def _resume(model, db_path, query):
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=1), lower=_tier(model, db_path))
+    run = Engine(model, cache=cache).start(query)
+    cold = Engine(model).start(query).logits
+    return run, cache, (run.logits - cold).abs().max().item()
+
+
+def test_resume_in_a_new_process_from_disk(model_dir, tmp_path):
+    db = tmp_path / "hcw.db"
+    code = textwrap.dedent(f"""
+        import json, sys, torch
+        sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
+        from engine import load_model
+        from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+        from engine.engine import Engine
+        from store.tier import DiskTier
+        model = load_model({str(model_dir)!r}, device="cpu")
+        cfg = CacheConfig(block_size={B}, checkpoint_every=1)
+        tier = DiskTier({str(db)!r}, layout_fingerprint(model, cfg))
+        prompt = json.loads(sys.argv[1])
+        cache = PrefixCache(model, cfg, lower=tier)
+        run = Engine(model, cache=cache).start(prompt)
+        run.finish()
+        cold = Engine(model).start(prompt).logits
+        print(json.dumps({{"usable": run.plan.usable_tokens, "diff": (run.logits - cold).abs().max().item(),
+                          "fetched": cache.metrics.lower_fetches}}))
+    """)
+    import json
+
+    prompt = _prompt(100)
+    first = subprocess.run([sys.executable, "-c", code, json.dumps(prompt)], capture_output=True, text=True, check=True)
+    assert json.loads(first.stdout)["usable"] == 0
+    # the first process has exited: a second one resumes the conversation from disk alone
+    second = subprocess.run([sys.executable, "-c", code, json.dumps(prompt + [3, 4, 5])], capture_output=True,
+                            text=True, check=True)
+    out = json.loads(second.stdout)
+    assert out["usable"] == 96 and out["fetched"] == 6 and out["diff"] <= 1e-4
+
+
+def _blob_rows(db_path):
+    con = sqlite3.connect(db_path)
+    rows = con.execute("SELECT id, length(data) FROM blobs WHERE length(data) > 0").fetchall()
+    return con, rows
+
+
+def test_single_bit_flips_are_all_detected_and_recomputed(model_dir, tmp_path):
+    model = load_model(model_dir, device="cpu")
+    db = tmp_path / "flip.db"
+    prompt = _prompt(100)
+    _saved(model, db, prompt)
+    con, rows = _blob_rows(db)
+    rng = random.Random(0)
+    trials = 120
+    for _ in range(trials):
+        blob_id, length = rng.choice(rows)
+        offset, bit = rng.randrange(length), 1 << rng.randrange(8)
+        (data,) = con.execute("SELECT data FROM blobs WHERE id = ?", [blob_id]).fetchone()
+        flipped = bytearray(data)
+        flipped[offset] ^= bit
+        con.execute("UPDATE blobs SET data = ? WHERE id = ?", [bytes(flipped), blob_id])
+        con.commit()
+        run, cache, diff = _resume(model, db, prompt + [1])
+        assert diff <= 1e-4
+        assert cache.lower.failures.get("checksum") == 1, cache.lower.failures
+        assert any("lower tier" in r for r in cache.events[-1].reasons)
+        con.execute("UPDATE blobs SET data = ? WHERE id = ?", [data, blob_id])
+        con.commit()
+        cache.lower.close()
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("UPDATE blobs SET data = substr(data, 1, length(data) - 5) WHERE id = {id}", "length"),
+    ("zero-tail", "checksum"),
+    # a blob turned into text: sqlite itself may refuse to hand it over (counted as io) or we see text
+    ("UPDATE blobs SET data = CAST(data AS TEXT) WHERE id = {id}", ("length", "io")),
+    ("DELETE FROM blobs WHERE id = {id}", "missing"),
+    ("UPDATE segments SET layout = 'ff' || substr(layout, 3)", "missing"),
+])
+def test_truncation_zeroed_tails_lost_blobs_and_foreign_layouts_are_misses(model_dir, tmp_path, damage, reason):
+    model = load_model(model_dir, device="cpu")
+    db = tmp_path / "dmg.db"
+    prompt = _prompt(100)
+    _saved(model, db, prompt)
+    con, rows = _blob_rows(db)
+    victim = rows[len(rows) // 2][0]
+    if damage == "zero-tail":
+        (data,) = con.execute("SELECT data FROM blobs WHERE id = ?", [victim]).fetchone()
+        con.execute("UPDATE blobs SET data = ? WHERE id = ?", [data[:-8] + bytes(8), victim])
+    else:
+        con.execute(damage.format(id=victim))
+    con.commit()
+    run, cache, diff = _resume(model, db, prompt + [1])
+    assert diff <= 1e-4
+    assert run.plan.usable_tokens < 96
+    if "layout" in damage:
+        # a DB written for another model: nothing of it is even matchable
+        assert run.plan.logical_tokens == 0
+    else:
+        reasons = reason if isinstance(reason, tuple) else (reason,)
+        assert sum(cache.lower.failures.get(r, 0) for r in reasons) >= 1, cache.lower.failures
+
+
+def test_blobs_swapped_between_rows_fail_their_identity_checksum(model_dir, tmp_path):
+    model = load_model(model_dir, device="cpu")
+    db = tmp_path / "swap.db"
+    prompt = _prompt(100)
+    _saved(model, db, prompt)
+    con = sqlite3.connect(db)
+    # two same-shaped blobs of different segments, moved with their own checksums and lengths
+    a, b = con.execute("SELECT id FROM blobs WHERE kind = 'kv' AND part = 0 ORDER BY id LIMIT 2").fetchall()
+    ra = con.execute("SELECT data, checksum, length FROM blobs WHERE id = ?", a).fetchone()
+    rb = con.execute("SELECT data, checksum, length FROM blobs WHERE id = ?", b).fetchone()
+    con.execute("UPDATE blobs SET data = ?, checksum = ?, length = ? WHERE id = ?", [*rb, a[0]])
+    con.execute("UPDATE blobs SET data = ?, checksum = ?, length = ? WHERE id = ?", [*ra, b[0]])
+    con.commit()
+    run, cache, diff = _resume(model, db, prompt + [1])
+    assert diff <= 1e-4 and cache.lower.failures.get("checksum", 0) >= 1
+
+
+def test_io_errors_and_timeouts_are_clean_misses_with_no_leaked_pins(model_dir, tmp_path):
+    model = load_model(model_dir, device="cpu")
+    db = tmp_path / "io.db"
+    prompt = _prompt(100)
+    _saved(model, db, prompt)
+    for error in (OSError(5, "EIO"), sqlite3.OperationalError("database is locked")):
+        tier = _tier(model, db)
+
+        def fail(key, error=error):
+            raise error
+        tier.read_hook = fail
+        cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=1), lower=tier)
+        run = Engine(model, cache=cache).start(prompt + [2])
+        assert run.plan.usable_tokens == 0 and tier.failures.get("io") == 1
+        assert all(r.pins == 0 for r in cache.table)
+    tier = _tier(model, db)
+    tier.read_hook = lambda key: __import__("time").sleep(0.05)
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=1, lower_deadline_s=0.12,
+                                           lower_deadline_per_token_s=0.0), lower=tier)
+    run = Engine(model, cache=cache).start(prompt + [2])
+    # some segments arrive in time and are used; the read that passes the deadline is a miss
+    assert 0 < run.plan.usable_tokens < 96 and tier.failures.get("timeout") == 1
+    assert (run.logits - Engine(model).start(prompt + [2]).logits).abs().max().item() <= 1e-4
