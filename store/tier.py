@@ -68,13 +68,19 @@ class DiskTier:
                 rows.append({**base, "raw_len": t.numel() * t.element_size(), "length": len(blob),
                              "checksum": checksum(_identity(key, layer, kind, part) + blob), "data": blob})
         presence = sorted({f"{layer}:{kind}" for layer, kind in pieces})
-        with self.db.conn:  # one transaction: the row is visible only with all its blobs, at commit
-            self.db.execute("DELETE FROM blobs WHERE segment = ?", [key])
-            self.db["segments"].upsert({
-                "key": key, "parent": parent.hex(), "idx": index, "layout": layout.hex(),
-                "tokens": tokens, "token_digest": checksum(tokens).hex(), "presence": json.dumps(presence),
-                "bytes": sum(r["length"] for r in rows), "created": _now()}, pk="key")
-            self.db["blobs"].insert_all(rows)
+        segment = {"key": key, "parent": parent.hex(), "idx": index, "layout": layout.hex(), "tokens": tokens,
+                   "token_digest": checksum(tokens).hex(), "presence": json.dumps(presence),
+                   "bytes": sum(r["length"] for r in rows), "created": _now()}
+        conn = self.db.conn
+        # one transaction, in plain SQL: sqlite-utils' own helpers commit on their way out, which
+        # would let the row become visible before its blobs
+        with conn:
+            conn.execute("DELETE FROM blobs WHERE segment = ?", [key])
+            conn.execute(f"INSERT OR REPLACE INTO segments ({', '.join(segment)}) "
+                         f"VALUES ({', '.join('?' * len(segment))})", list(segment.values()))
+            cols = list(rows[0]) if rows else []
+            conn.executemany(f"INSERT INTO blobs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                             [[r[c] for c in cols] for r in rows])
         self.saved += 1
 
     def segments(self) -> list[dict]:

@@ -72,6 +72,24 @@ def drill(
         raise typer.Exit(1)
 
 
+@app.command("inspect")
+def inspect_db(
+    db: Path | None = typer.Argument(None, help="database file (default: $HCW_HOME/hcw.db)"),
+    verify: bool = typer.Option(False, "--verify", help="re-check every checksum and fingerprint"),
+    gc: bool = typer.Option(False, "--gc", help="remove segments no chain can reach"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Show what the workbench database holds: segments, bytes and compression by state kind."""
+    from workbench.inspect_cmd import inspect
+
+    try:
+        bad = inspect(db, verify, gc, as_json, sys.stdout)
+    except ValueError as e:
+        _fail(str(e))
+    if bad:
+        raise typer.Exit(1)
+
+
 @app.command("random-model")
 def random_model(
     out: Path = typer.Argument(..., help="folder to write config.json + model.safetensors into"),
