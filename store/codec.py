@@ -24,7 +24,7 @@ VERSION = 1
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.float64, torch.uint8]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _HEAD = struct.Struct("<4sBBBB")
-LEVEL = 3  # see docs/BENCHMARKS.md (disk tier): ratio barely moves past 3, speed falls
+LEVEL = 1  # measured (docs/BENCHMARKS.md, disk tier): higher levels gain no ratio on these planes and lose speed
 
 
 class BlobError(ValueError):

@@ -1,0 +1,140 @@
+"""Disk tier: save / restore throughput against raw zstd on the same bytes, compression ratio by
+state kind and dtype with and without byte shuffle, and time-to-first-token of a resume from disk
+against recomputing the prefix.
+
+    python benchmarks/disk_tier.py            # writes its section of docs/BENCHMARKS.md
+    python benchmarks/disk_tier.py --quick --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import zstandard
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import write_section  # noqa: E402
+from engine import load_model  # noqa: E402
+from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_random_model  # noqa: E402
+from store.codec import LEVEL, encode  # noqa: E402
+from store.tier import DiskTier  # noqa: E402
+
+BLOCK = 64
+
+
+def _cache(model, db, every=8):
+    cfg = CacheConfig(block_size=BLOCK, checkpoint_every=every)
+    return PrefixCache(model, cfg, lower=DiskTier(db, layout_fingerprint(model, cfg)))
+
+
+def ratios(model, tokens: int) -> list[str]:
+    """Compression of each state kind's real tensors (from a prefill), fp32 and bf16, shuffle on/off."""
+    engine = Engine(model)
+    run = engine.start(torch.randint(0, model.config.vocab_size, (tokens,)).tolist())
+    tensors: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+    for layer in run.state.layers:
+        for kind, piece in layer.export(0, tokens).items():
+            for t in piece.data if isinstance(piece.data, tuple) else (piece.data,):
+                if t is not None and t.numel():
+                    tensors[kind].append(t)
+    lines = ["| state kind | dtype | raw MiB | ratio, shuffled | ratio, plain |", "|---|---|---:|---:|---:|"]
+    for kind, ts in sorted(tensors.items()):
+        for dtype in (torch.float32, torch.bfloat16):
+            conv = [t.to(dtype) for t in ts]
+            raw = sum(t.numel() * t.element_size() for t in conv)
+            shuf = sum(len(encode(t)) for t in conv)
+            plain = sum(len(encode(t, shuffle=False)) for t in conv)
+            lines.append(f"| {kind} | {str(dtype).replace('torch.', '')} | {raw / 2**20:.2f} | {raw / shuf:.2f}x | "
+                         f"{raw / plain:.2f}x |")
+    return lines
+
+
+def levels(model, tokens: int) -> list[str]:
+    run = Engine(model).start(torch.randint(0, model.config.vocab_size, (tokens,)).tolist())
+    ts = [p for layer in run.state.layers for piece in layer.export(0, tokens).values()
+          for p in (piece.data if isinstance(piece.data, tuple) else (piece.data,)) if p is not None and p.numel()]
+    ts = [t.to(torch.bfloat16) for t in ts]
+    raw = sum(t.numel() * 2 for t in ts)
+    lines = ["| zstd level | ratio (bf16, shuffled) | encode MB/s |", "|---:|---:|---:|"]
+    for level in (1, 3, 6, 9):
+        t0 = time.perf_counter()
+        size = sum(len(encode(t, level=level)) for t in ts)
+        dt = time.perf_counter() - t0
+        lines.append(f"| {level}{' (used)' if level == LEVEL else ''} | {raw / size:.2f}x | {raw / dt / 1e6:.0f} |")
+    return lines
+
+
+def resume(model, tokens: int, folder: Path) -> dict:
+    prompt = torch.randint(0, model.config.vocab_size, (tokens,)).tolist()
+    db = folder / f"resume-{tokens}.db"
+    cache = _cache(model, db)
+    t0 = time.perf_counter()
+    Engine(model, cache=cache).start(prompt).finish()  # prefill + save
+    first = time.perf_counter() - t0
+    stored = sum(r[0] for r in cache.lower.db.execute("SELECT sum(length) FROM blobs"))
+    raw = sum(r[0] for r in cache.lower.db.execute("SELECT sum(raw_len) FROM blobs"))
+    cache.lower.close()
+    query = prompt + [1]
+    t0 = time.perf_counter()
+    Engine(model).start(query)
+    cold = time.perf_counter() - t0
+    fresh = _cache(model, db)  # a new process would start here: nothing in memory
+    t0 = time.perf_counter()
+    run = Engine(model, cache=fresh).start(query)
+    warm = time.perf_counter() - t0
+    # raw zstd on the same blobs, for the restore throughput comparison
+    blobs = [r[0] for r in fresh.lower.db.execute("SELECT data FROM blobs WHERE length(data) > 0")]
+    dctx = zstandard.ZstdDecompressor()
+    t0 = time.perf_counter()
+    for b in blobs:
+        dctx.decompress(b[b.index(b"\x28\xb5\x2f\xfd"):])
+    zstd_s = time.perf_counter() - t0
+    return {"tokens": tokens, "usable": run.plan.usable_tokens, "recompute_s": cold, "resume_s": warm,
+            "speedup": cold / warm, "first_turn_with_save_s": first, "stored_mib": stored / 2**20,
+            "raw_mib": raw / 2**20, "restore_mb_s": raw / warm / 1e6, "zstd_mb_s": raw / zstd_s / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    folder = Path(tempfile.mkdtemp(prefix="hcw-disk-"))
+    qwen = load_model(write_random_model(folder / "q", qwen3_5_text_dict(hidden=256, layers=8, vocab=4096,
+                                                                           max_positions=65536), byte_tokenizer=False))
+    mixed = load_model(write_random_model(folder / "m", hcw_hybrid_dict(hidden=128, vocab=4096, window=128,
+                                                                          hca_rate=128, max_positions=65536),
+                                          byte_tokenizer=False))
+    lines = ["fp32 CPU models with random weights (Qwen3.5-style hidden 256 x 8 layers; an hcw_hybrid with every",
+             f"layer kind, hidden 128). Block size {BLOCK}, checkpoints every 8 segments. Random weights make",
+             "activations noisier than a trained model's, so ratios here are a floor.", ""]
+    lines += ["**Compression by state kind** (hcw_hybrid, 2K-token prefill):", ""] + ratios(mixed, 2048)
+    lines += ["", "**zstd level** (all state of the same prefill, as bf16):", ""] + levels(mixed, 2048)
+    lines += ["", "**Resume from disk vs recompute** (Qwen3.5-style; a fresh cache with only the database, as in a "
+              "new process):", "", "| context | recompute s | resume s | speed-up | stored / raw MiB | restore MB/s | "
+              "raw zstd decompress MB/s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for tokens in ((2048, 8192) if args.quick else (8192, 32768)):
+        r = resume(qwen, tokens, folder)
+        print(json.dumps(r), flush=True)
+        lines.append(f"| {tokens // 1024}K | {r['recompute_s']:.2f} | {r['resume_s']:.2f} | {r['speedup']:.1f}x | "
+                     f"{r['stored_mib']:.1f} / {r['raw_mib']:.1f} | {r['restore_mb_s']:.0f} | {r['zstd_mb_s']:.0f} |")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        write_section("disk-tier", "Disk tier (`benchmarks/disk_tier.py`)", text)
+
+
+if __name__ == "__main__":
+    main()
