@@ -247,6 +247,9 @@ def test_every_drill_on_every_family_is_exact_named_and_never_silent(model):
             assert r.outcome in ("degraded", "recomputed") and r.paths and r.reasons, r.as_dict()
     assert reports["bump_version"].reasons  # re-planned, and said so
     assert any("rule 4" in r for r in reports["change_topology"].reasons)
+    assert any("injected read error" in r for r in reports["fail_lower_read"].reasons)
+    assert any("timeout" in r for r in reports["delay_lower_read"].reasons)
+    assert reports["fail_lower_read"].usable_tokens == 0
     gdn = "linear_attention" in model.config.layer_types
     assert reports["drop_gdn_checkpoint"].applies == gdn
     assert reports["evict_compressed"].applies == ("compressed_sparse_attention" in model.config.layer_types
@@ -264,7 +267,7 @@ def test_hcw_drill_cli_reports_json_and_exit_code(tmp_path):
     res = CliRunner().invoke(app, ["drill", "--model", str(folder), "--json", "--prompt-len", "64"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
-    assert report["silent_errors"] == 0 and len(report["drills"]) == 9
+    assert report["silent_errors"] == 0 and len(report["drills"]) == 11
     assert all(d["applies"] for d in report["drills"])
     bad = CliRunner().invoke(app, ["drill", "--model", str(folder), "--drill", "nope"])
     assert bad.exit_code == 2 and "unknown drill" in bad.stderr

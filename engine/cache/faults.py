@@ -9,6 +9,7 @@ probe prompt is that prompt plus a few tokens, compared with a cold prefill.
 from __future__ import annotations
 
 from collections.abc import Callable
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -100,6 +101,59 @@ def change_topology(cache, records):
     return 1
 
 
+class MemoryTier:
+    """A lower tier in memory (the `LowerTier` protocol) whose reads can be made to fail or stall:
+    the drills' stand-in for a disk, so they run without one."""
+
+    def __init__(self):
+        self.rows: dict[bytes, tuple] = {}
+        self.mode = ""  # "" | "fail" | "delay"
+        self.delay_s = 0.0
+
+    def save(self, key, parent, index, tokens, layout, pieces) -> None:
+        self.rows[key] = (parent, index, tokens, {k: (p, _copy(d), pos) for k, (p, d, pos) in pieces.items()})
+
+    def segments(self) -> list[dict]:
+        return [{"key": k.hex(), "parent": r[0].hex(), "idx": r[1], "tokens": r[2]} for k, r in self.rows.items()]
+
+    def load(self, key, deadline=None):
+        if self.mode == "fail":
+            return None, "io: injected read error (EIO)"
+        if self.mode == "delay":
+            time.sleep(self.delay_s)
+            if deadline is not None and time.monotonic() > deadline:
+                return None, "timeout: the read deadline passed"
+        row = self.rows.get(key)
+        if row is None:
+            return None, "missing: no segment row"
+        return {k: (p, _copy(d), pos) for k, (p, d, pos) in row[3].items()}, ""
+
+
+def _copy(data):
+    if isinstance(data, tuple):
+        return tuple(_copy(t) for t in data)
+    return None if data is None else data.clone()
+
+
+def _from_lower_only(cache) -> None:
+    """Forget every record in memory: the next hit must come from the lower tier."""
+    for key in [r.key for r in cache.table]:
+        cache.table.remove(key)
+
+
+def fail_lower_read(cache, records):
+    _from_lower_only(cache)
+    cache.lower.mode = "fail"
+    return 1
+
+
+def delay_lower_read(cache, records):
+    _from_lower_only(cache)
+    cache.lower.mode, cache.lower.delay_s = "delay", 0.05
+    cache.config = replace(cache.config, lower_deadline_s=0.02, lower_deadline_per_token_s=0.0)
+    return 1
+
+
 DRILLS: dict[str, Callable] = {
     "evict_compressed": evict_compressed,
     "drop_tail": drop_tail,
@@ -110,6 +164,8 @@ DRILLS: dict[str, Callable] = {
     "corrupt_dtype": corrupt_dtype,
     "bump_version": bump_version,
     "change_topology": change_topology,
+    "fail_lower_read": fail_lower_read,
+    "delay_lower_read": delay_lower_read,
 }
 
 
@@ -151,7 +207,7 @@ def run_drills(model, prompt_len: int = 96, block_size: int = 16, names: list[st
     for name in names or list(DRILLS):
         if name not in DRILLS:
             raise ValueError(f"unknown drill {name!r}; drills: {', '.join(DRILLS)}")
-        cache = PrefixCache(model, CacheConfig(block_size=block_size, checkpoint_every=1))
+        cache = PrefixCache(model, CacheConfig(block_size=block_size, checkpoint_every=1), lower=MemoryTier())
         engine = Engine(model, cache=cache)
         engine.start(prompt).finish()
         damaged = DRILLS[name](cache, _records(cache, prompt))

@@ -33,6 +33,9 @@ ROUTES: dict[str, Route] = {
     "index_keys": Route("recompute indexer keys from the first segment missing them", True),
     "index_tail": Route("recompute the indexer tail from an earlier boundary", False),
     "index_overlap": Route("recompute the indexer overlap from an earlier boundary", False),
+    # a segment only the lower tier held: fetched with a deadline; failure, timeout or corruption
+    # makes that range a miss, recomputed
+    "on_disk": Route("fetch from the lower tier failed or timed out: recompute the range", True),
 }
 
 

@@ -85,7 +85,7 @@ class Validator:
         b = self.block_size
         failures: list[str] = []
         # reuse must leave at least one prompt token to compute: its logits start the answer
-        n = min(len(match.segments), (prompt_len - 1) // b)
+        n = n_asked = min(len(match.segments), (prompt_len - 1) // b)
         if match.logical_tokens > n * b:
             failures.append(f"layer 1: tokens [{n * b}, {match.logical_tokens}) match only part of a segment; "
                             "recomputed")
@@ -93,10 +93,12 @@ class Validator:
             failures.append(f"layer 1: {match.collisions} hash hit(s) rejected by token comparison")
 
         records = []
+        unavailable = None
         for j, node in enumerate(match.segments[:n]):
             rec = table.get(node.key)
             if rec is None:
                 failures.append(f"layer 3: segment {j} has no state record")
+                unavailable = j
                 break
             if rec.layout != self.layout:
                 failures.append(f"layer 2: segment {j} was written under another layout fingerprint")
@@ -121,6 +123,10 @@ class Validator:
             k -= 1
 
         objects: list[ObjectPlan] = []
+        if unavailable is not None:
+            r = route("on_disk")
+            objects.append(ObjectPlan("on_disk", Action.RECOVER, (unavailable * b, min(len(match.segments), n_asked) * b),
+                                      (), r.path, f"segment {unavailable} is a logical hit that is not in memory"))
         lost: dict[str, list[int]] = {}
         for req in self.requirements:
             if req.per_segment and gap_of[(req.layer, req.kind)] < n:
