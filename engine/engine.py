@@ -95,6 +95,7 @@ class Engine:
         if len(ids) > self.context_limit:
             raise PromptError(f"the prompt has {len(ids)} tokens, past the context limit of {self.context_limit}")
 
+    @torch.inference_mode()
     def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
                 on_stop: Callable[[ModelState], None] | None = None,
                 next_stop: Callable[[int], int] | None = None) -> torch.Tensor:
@@ -119,6 +120,7 @@ class Engine:
             lo = hi
         return logits[0, -1]
 
+    @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:
         tokens = torch.tensor([[token]], dtype=torch.long, device=self.model.device)
         return self.model(tokens, state)[0, -1]

@@ -5,6 +5,8 @@
     model(input_ids, state)                 -> logits for the new tokens; state advanced in place
     model(input_ids, state, last_only=True) -> logits [B, 1, vocab] (prefill only needs the last)
 
+Grad mode is the caller's: the engine runs under inference mode, training (workbench/tiny) does not.
+
 The residual is one stream (`hc_mult == 1`, Qwen-style names) or `hc_mult` hyper-connected
 streams (DeepSeek-V4 names); either way the mixers and FFNs are the same modules.
 """
@@ -111,7 +113,6 @@ class HybridModel(nn.Module):
     def new_state(self, batch: int = 1) -> ModelState:
         return ModelState([blk.mixer.new_state(batch, self.dtype, self.device) for blk in self.layers])
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
                 last_only: bool = False) -> torch.Tensor:
         if input_ids.dim() == 1:

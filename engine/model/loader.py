@@ -47,7 +47,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
                           strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval()
+    # an inference engine's weights never need gradients; training builds its own model
+    return model.eval().requires_grad_(False)
 
 
 # DeepSeek-V4 keeps these in float32 whatever the model dtype: norms, hyper-connection weights,
