@@ -90,6 +90,26 @@ def inspect_db(
         raise typer.Exit(1)
 
 
+@app.command("train-tiny")
+def train_tiny(
+    out: Path = typer.Option(..., "--out", help="folder for the weights, config and loss log"),
+    minutes: float = typer.Option(85.0, "--minutes", min=0.1, help="time budget"),
+    steps: int = typer.Option(100_000, "--steps", min=1, help="step budget"),
+    seed: int = typer.Option(0, "--seed"),
+    hidden: int = typer.Option(192, "--hidden", min=32),
+    seq_len: int = typer.Option(768, "--seq-len", min=64),
+    batch_size: int = typer.Option(8, "--batch", min=1),
+) -> None:
+    """Train hcw-tiny (every layer kind) on the synthetic recall data, on this machine's CPU."""
+    from workbench.tiny.train import TrainConfig, train
+
+    if hidden % 32:
+        _fail("--hidden must be a multiple of 32")
+    summary, _ = train(TrainConfig(hidden=hidden, seq_len=seq_len, batch_size=batch_size, steps=steps,
+                                minutes=minutes, seed=seed), out, progress=lambda line: typer.echo(line, err=True))
+    typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+
+
 @app.command("random-model")
 def random_model(
     out: Path = typer.Argument(..., help="folder to write config.json + model.safetensors into"),

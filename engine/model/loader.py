@@ -213,3 +213,23 @@ def _check(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
             raise WeightsError(f"tensor {ckpt_name(name)!r} has shape {tuple(state[name].shape)}, expected {shape}")
+
+
+def save_model(model: HybridModel, raw_config: dict, folder: str | Path) -> Path:
+    """Write `model` as a folder `load_model` reads: config.json + model.safetensors in the
+    checkpoint layout (fused projections split back into their checkpoint tensors)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    tensors = {}
+    for name, t in checkpoint_layout(model).items():
+        if name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                tensors[name] = t.detach().contiguous()
+        else:
+            tensors[cfg.weight_prefix + name] = t.detach().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
+    return folder

@@ -6,18 +6,16 @@ still exercises every code path, with logits that are finite and not degenerate.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.model.gdn import GatedDeltaNet
 from engine.model.hybrid import HybridModel
 from engine.model.hyper import HyperConnection, HyperHead
 from engine.model.norm import GatedRMSNorm, RMSNorm
-from engine.model.loader import checkpoint_layout
+from engine.model.loader import save_model
 
 
 def qwen3_5_text_dict(hidden: int = 256, layers: int = 8, vocab: int = 263, attn_every: int = 4,
@@ -65,17 +63,8 @@ def write_random_model(folder: str | Path, raw_config: dict, seed: int = 0, byte
         raw["hcw_tokenizer"] = "byte"
         eos_key = "eos_token_ids" if raw["model_type"] == "hcw_hybrid" else "eos_token_id"
         raw.setdefault(eos_key, [257, 262])
-    cfg = ModelConfig.from_dict(raw)
-    model = init_random(HybridModel(cfg), seed)
-    tensors = {}
-    for name, t in checkpoint_layout(model).items():
-        if name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                tensors[name] = t.contiguous()
-        else:
-            tensors[cfg.weight_prefix + name] = t.contiguous()
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    model = init_random(HybridModel(ModelConfig.from_dict(raw)), seed)
+    save_model(model, raw, folder)
     return folder
 
 

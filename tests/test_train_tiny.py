@@ -1,0 +1,46 @@
+"""hcw-tiny's data generator and training loop (the full run is `hcw train-tiny`, not a test)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from engine import load_model
+from engine.tokenizer import ByteTokenizer
+from workbench.tiny.data import TASKS, batch, make_example
+from workbench.tiny.train import TrainConfig, train
+
+
+def test_every_task_states_its_answer_before_asking_and_masks_only_the_answer():
+    tok = ByteTokenizer()
+    rng = random.Random(3)
+    for kind in TASKS:
+        for _ in range(20):
+            ex = make_example(rng, 400, tok, kind)
+            answer_ids = [i for i, m in zip(ex.ids, ex.loss_mask) if m]
+            assert tok.decode(answer_ids) == ex.answer  # the mask covers the answer (+ its end token)
+            assert answer_ids[-1] == tok.specials["<|end|>"]
+            context = tok.decode([i for i, m in zip(ex.ids, ex.loss_mask) if not m])
+            assert ex.answer in context, (kind, context[-200:])  # recall, not guessing
+
+
+def test_data_is_deterministic_for_a_seed_and_fits_the_batch():
+    a_ids, a_mask = batch(random.Random(7), 3, 200)
+    b_ids, b_mask = batch(random.Random(7), 3, 200)
+    assert torch.equal(a_ids, b_ids) and torch.equal(a_mask, b_mask)
+    assert a_ids.shape == (3, 200) and a_mask.any(dim=1).all()
+
+
+def test_a_few_training_steps_lower_the_loss_and_the_checkpoint_round_trips(tmp_path):
+    cfg = TrainConfig(hidden=32, seq_len=96, batch_size=4, steps=30, minutes=5, lr=5e-3, warmup=5, log_every=1)
+    summary, model = train(cfg, tmp_path / "tiny", progress=lambda line: None)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "tiny" / "training_log.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 30 and len(losses) == 30
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0
+    loaded = load_model(tmp_path / "tiny", device="cpu")
+    ids = torch.randint(0, 263, (50,))
+    with torch.no_grad():
+        assert (loaded(ids) - model(ids)).abs().max().item() <= 1e-5
+    assert (tmp_path / "tiny" / "config.json").is_file() and summary["params"] > 0

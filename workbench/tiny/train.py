@@ -1,0 +1,105 @@
+"""Train hcw-tiny: an hcw_hybrid with every layer kind, on the synthetic recall data, on CPU.
+
+Seeded and reproducible; stops at a step count or a time budget, whichever comes first; logs the
+loss curve as JSON lines next to the weights; writes a model folder `engine.load_model` reads
+(config.json + model.safetensors, byte tokenizer).
+
+    hcw train-tiny --out models/hcw-tiny --minutes 85
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.model.hybrid import HybridModel
+from engine.model.loader import save_model
+from engine.model.random_init import hcw_hybrid_dict, init_random
+from engine.tokenizer import ByteTokenizer
+from workbench.tiny.data import batch
+
+# GDN and full attention for recall, sliding / compressed-sparse / heavily-compressed for every
+# state object; attention layers use partial RoPE (a quarter of each head), the rest is position-free
+TINY_LAYERS = ("linear_attention", "sliding_attention", "linear_attention", "compressed_sparse_attention",
+               "linear_attention", "full_attention", "heavily_compressed_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    hidden: int = 192
+    seq_len: int = 768
+    batch_size: int = 8
+    steps: int = 100_000
+    minutes: float = 85.0
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.05
+    seed: int = 0
+    log_every: int = 10
+    layers: tuple[str, ...] = TINY_LAYERS
+
+    def model_dict(self) -> dict:
+        tok = ByteTokenizer()
+        raw = hcw_hybrid_dict(hidden=self.hidden, vocab=tok.vocab_size, max_positions=65536, layer_types=self.layers,
+                              window=64, csa_rate=4, hca_rate=64, index_topk=16)
+        raw["eos_token_ids"] = list(tok.eos_ids)
+        raw["hcw_tokenizer"] = "byte"
+        return raw
+
+
+def train(cfg: TrainConfig, out: Path, progress=print) -> tuple[dict, HybridModel]:
+    """Train and save; returns (summary, the trained model)."""
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    raw = cfg.model_dict()
+    model = init_random(HybridModel(ModelConfig.from_dict(raw)), cfg.seed).train()
+    params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "training_log.jsonl"
+    log = log_path.open("w")
+    t0 = time.perf_counter()
+    budget = cfg.minutes * 60
+    step = 0
+    history = []
+    while step < cfg.steps and time.perf_counter() - t0 < budget:
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+        # cosine decay over the expected number of steps (the time budget, once the rate is known)
+        if step > cfg.warmup:
+            expected = min(cfg.steps, step / max(time.perf_counter() - t0, 1e-9) * budget)
+            lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(expected, 1))))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ids, mask = batch(rng, cfg.batch_size, cfg.seq_len)
+        logits = model(ids[:, :-1])
+        target = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        history.append(loss.item())
+        if step % cfg.log_every == 0 or step == 1:
+            entry = {"step": step, "loss": sum(history[-cfg.log_every:]) / len(history[-cfg.log_every:]), "lr": lr,
+                     "elapsed_s": time.perf_counter() - t0}
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+            progress(f"step {step}  loss {entry['loss']:.4f}  lr {lr:.2e}  {entry['elapsed_s']:.0f}s")
+    log.close()
+    save_model(model, raw, out)
+    summary = {"steps": step, "params": params, "final_loss": sum(history[-20:]) / max(1, len(history[-20:])),
+               "seconds": time.perf_counter() - t0, "config": {k: v for k, v in cfg.__dict__.items()}}
+    (out / "training_summary.json").write_text(json.dumps(summary, indent=2, default=list) + "\n")
+    return summary, model.eval()
