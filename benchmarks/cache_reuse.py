@@ -14,7 +14,6 @@ table is the per-hit validation cost (index match + plan) against one decode ste
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -27,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import write_section  # noqa: E402
+from benchmarks.report import parse_args, write_section  # noqa: E402
 from engine import load_model  # noqa: E402
 from engine.cache.prefix_cache import CacheConfig, PrefixCache  # noqa: E402
 from engine.engine import Engine, SamplingParams  # noqa: E402
@@ -111,11 +110,7 @@ def validation_overhead(model, requests) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
+    args = parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hcw-reuse-"))
     models = {
         "Qwen3.5-style (hidden 256, 8 layers, 3:1 GDN:attention)":

@@ -8,7 +8,6 @@ against recomputing the prefix.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import sys
@@ -22,7 +21,7 @@ import zstandard
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import write_section  # noqa: E402
+from benchmarks.report import parse_args, write_section  # noqa: E402
 from engine import load_model  # noqa: E402
 from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -106,11 +105,7 @@ def resume(model, tokens: int, folder: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
+    args = parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hcw-disk-"))
     qwen = load_model(write_random_model(folder / "q", qwen3_5_text_dict(hidden=256, layers=8, vocab=4096,
                                                                            max_positions=65536), byte_tokenizer=False))

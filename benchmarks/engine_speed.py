@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import write_section  # noqa: E402
+from benchmarks.report import parse_args, write_section  # noqa: E402
 from engine import load_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model.random_init import qwen3_5_text_dict  # noqa: E402
@@ -255,10 +255,7 @@ def _bytes_table(family: Family, per_mark: dict[int, dict[str, float]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", choices=["all", *FAMILIES], default="all")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
+    args = parse_args(ap)
     marks = (1024, 4096) if args.quick else (1024, 8192, 32768)
     for key in FAMILIES if args.family == "all" else [args.family]:
         family = FAMILIES[key]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import re
 from pathlib import Path
+
+import torch
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
 HEADER = ("# Benchmarks\n\nEvery table here is written by a script in `benchmarks/`; rerun it to refresh its "
@@ -19,3 +22,13 @@ def write_section(key: str, title: str, body: str) -> None:
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(text)
+
+
+def parse_args(parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Every benchmark's flags (--quick, --no-write) and its thread setting: the 2 cores CI has."""
+    parser = parser or argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="short run")
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/BENCHMARKS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    return args
