@@ -22,6 +22,7 @@ class CacheMetrics:
     recoveries: Counter = field(default_factory=Counter)  # by state kind
     recovery_ms: dict = field(default_factory=dict)  # state kind -> Histogram of recovery latency
     lower_fetches: int = 0  # segments brought in from the lower (disk) tier, verified
+    spills: int = 0  # records evicted from memory to the lower tier
     lower_failures: Counter = field(default_factory=Counter)  # lower-tier misses by reason
     shadow_checks: int = 0
     shadow_mismatches: int = 0
@@ -62,7 +63,7 @@ class CacheMetrics:
             "replans": self.replans, "validation_failures": dict(self.validation_failures),
             "recoveries": dict(self.recoveries),
             "recovery_ms": {k: h.as_dict() for k, h in self.recovery_ms.items()},
-            "lower": {"fetches": self.lower_fetches, "failures": dict(self.lower_failures)},
+            "lower": {"fetches": self.lower_fetches, "spills": self.spills, "failures": dict(self.lower_failures)},
             "shadow": {"checks": self.shadow_checks, "mismatches": self.shadow_mismatches,
                        "max_diff": self.shadow_max_diff},
         }

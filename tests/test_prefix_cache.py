@@ -325,3 +325,21 @@ def test_over_the_device_budget_records_go_to_host_and_come_back_exact(model):
     assert run.plan.usable_tokens == len(prompt) // B * B
     assert (run.logits - _cold_logits(model, prompt + [6])).abs().max().item() <= 1e-4
     assert table.host_used == sum(r.nbytes() for r in table if r.tier == "host")
+
+
+def test_evicted_records_spill_to_the_lower_tier_and_come_back_exact(model):
+    from engine.cache.faults import MemoryTier
+
+    lower = MemoryTier()
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=1), lower=lower)
+    engine = Engine(model, cache=cache)
+    prompt = torch.randint(0, 97, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.start(prompt).finish()
+    lower.rows.clear()  # forget the end-of-turn save: only the spill can bring them back
+    cache.persisted.clear()
+    cache.table.set_budget(1)  # no host tier: every record leaves memory
+    assert len(list(cache.table)) == 0 and cache.metrics.spills > 0 and lower.rows
+    cache.table.budget = 64 << 20
+    run = engine.start(prompt + [5])
+    assert run.plan.usable_tokens == len(prompt) // B * B and cache.metrics.lower_fetches > 0
+    assert (run.logits - _cold_logits(model, prompt + [5])).abs().max().item() <= 1e-4

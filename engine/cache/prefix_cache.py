@@ -98,7 +98,7 @@ class PrefixCache:
         self.layout = layout_fingerprint(model, self.config)
         self.index = PrefixIndex(self.config.block_size, self.layout)
         self.table = StateTable(self.config.budget_bytes, self.config.host_budget_bytes)
-        self.table.on_evict = self.index.remove
+        self.table.on_evict = self._evicted
         self.template_pieces = [s.export(0, 0) for s in self.template.layers]
         reqs = [Requirement(i, kind, piece.per_segment)
                 for i, pieces in enumerate(self.template_pieces) for kind, piece in pieces.items()]
@@ -113,6 +113,19 @@ class PrefixCache:
         self._rng = random.Random(self.config.seed)
         if lower is not None:
             self._index_lower()
+
+    def _evicted(self, rec) -> None:
+        """Out of memory, a record is spilled to the lower tier (still matchable, fetched on use);
+        without one it is forgotten."""
+        node = self.index.nodes.get(rec.key)
+        if self.lower is None or node is None:
+            self.index.remove(rec.key)
+            return
+        if self.persisted.get(rec.key) != rec.version:
+            self.lower.save(rec.key, node.parent, node.index, node.data, rec.layout,
+                            {k: (p.per_segment, p.data, p.position) for k, p in rec.pieces.items()})
+            self.persisted[rec.key] = rec.version
+        self.metrics.spills += 1
 
     def _index_lower(self) -> None:
         """Make the lower tier's segments matchable: they are logical hits until fetched."""

@@ -72,7 +72,7 @@ class StateTable:
         self.demotions = 0
         self.step = 0
         self.evictions = 0
-        self.on_evict = None  # called with each evicted key (the prefix index forgets it)
+        self.on_evict = None  # called with each evicted record (spill it, or forget it in the index)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.records
@@ -166,7 +166,7 @@ class StateTable:
             self.remove(rec.key)
             evicted.append(rec.key)
             if self.on_evict is not None:
-                self.on_evict(rec.key)
+                self.on_evict(rec)
         self.evictions += len(evicted)
         return evicted
 
