@@ -44,3 +44,33 @@ def test_a_few_training_steps_lower_the_loss_and_the_checkpoint_round_trips(tmp_
     with torch.no_grad():
         assert (loaded(ids) - model(ids)).abs().max().item() <= 1e-5
     assert (tmp_path / "tiny" / "config.json").is_file() and summary["params"] > 0
+
+
+def test_recall_scoring_counts_right_answers_and_only_those(monkeypatch):
+    from engine.engine import Generation
+    from workbench.tiny import evaluate
+
+    tok = ByteTokenizer()
+    answers, calls = [], []
+    real_make = evaluate.make_example
+
+    def spy(rng, length, t, kind):
+        ex = real_make(rng, length, t, kind)
+        answers.append(ex.answer)
+        return ex
+
+    class HalfRightEngine:  # right on every other question
+        def __init__(self, model):
+            pass
+
+        def generate(self, prompt, params, on_token=None, state=None):
+            calls.append(prompt)
+            answer = answers[len(calls) - 1] if len(calls) % 2 else "0000"
+            return Generation(tok.encode(" " + answer) + [tok.specials["<|end|>"]], "stop")
+
+    monkeypatch.setattr(evaluate, "make_example", spy)
+    monkeypatch.setattr(evaluate, "Engine", HalfRightEngine)
+    scores = evaluate.recall_accuracy(model=None, lengths=(300,), n=4, kinds=("kv", "variables"))
+    assert scores == {300: {"kv": 0.5, "variables": 0.5}}
+    # the prompt handed to the model never contains the answer's own tokens at the end
+    assert all(tok.decode(p).endswith("<|assistant|>") or p[-1] == tok.specials["<|assistant|>"] for p in calls)
