@@ -25,7 +25,12 @@ STEPS: list[str] = []  # every rule the machines ran, for the step-count check
 
 def _model(tmp_root):
     if "m" not in _MODEL:
-        folder = write_random_model(tmp_root / "sm-hybrid", hcw_hybrid_dict(vocab=61), seed=6, byte_tokenizer=False)
+        import tempfile
+        from pathlib import Path
+
+        # a folder of this process's own: concurrent test runs must not share it
+        folder = write_random_model(Path(tempfile.mkdtemp(dir=tmp_root)) / "sm-hybrid", hcw_hybrid_dict(vocab=61),
+                                    seed=6, byte_tokenizer=False)
         _MODEL["m"] = load_model(folder, device="cpu")
     return _MODEL["m"]
 
