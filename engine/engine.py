@@ -147,8 +147,13 @@ class Engine:
             self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
         started.logits = self.prefill(fed[state.seq_len:], state, on_stop=started.capture, next_stop=stops)
         if plan.usable_tokens and self.cache.should_shadow():
-            cold = Engine(self.model, self.config).start(fed).logits
-            self.cache.metrics.record_shadow((started.logits - cold).abs().max().item())
+            cold = Engine(self.model, self.config).start(fed)
+            if not self.cache.metrics.record_shadow((started.logits - cold.logits).abs().max().item()):
+                # the hit disagreed with a cold prefill: answer from the cold state, forget the records
+                for key in plan.keys:
+                    self.cache.table.remove(key)
+                    self.cache.index.remove(key)
+                started.logits, started.state = cold.logits, cold.state
         return started
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -167,26 +172,28 @@ class Engine:
         out: list[int] = []
         reason = "length"
         t0 = time.perf_counter()
-        while len(out) < params.max_new_tokens:
-            token = sampler(logits)
-            out.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in stops:
-                reason = "stop"
-                break
-            if len(out) == params.max_new_tokens:
-                break
-            if state.seq_len >= self.context_limit:
-                reason = "context"
-                break
-            logits = self.decode(token, state)
-            run.fed.append(token)
-            if run.writer is not None and state.seq_len % self.cache.block_size == 0:
-                run.capture(state)
+        try:
+            while len(out) < params.max_new_tokens:
+                token = sampler(logits)
+                out.append(token)
+                if on_token is not None:
+                    on_token(token)
+                if token in stops:
+                    reason = "stop"
+                    break
+                if len(out) == params.max_new_tokens:
+                    break
+                if state.seq_len >= self.context_limit:
+                    reason = "context"
+                    break
+                logits = self.decode(token, state)
+                run.fed.append(token)
+                if run.writer is not None and state.seq_len % self.cache.block_size == 0:
+                    run.capture(state)
+        finally:
+            run.finish()  # the admission ticket is released and the turn saved even if decoding failed
         timings.predicted_ms = 1000 * (time.perf_counter() - t0)
         timings.predicted_n = len(out)
-        run.finish()
         return Generation(out, reason, timings, state, run.plan, prompt_logits)
 
 

@@ -33,10 +33,12 @@ class CacheMetrics:
             if obj.action.value == "recover":
                 self.recovery_ms.setdefault(obj.kind, Histogram()).add(ms)
 
-    def record_shadow(self, max_diff: float, tolerance: float = 1e-4) -> None:
+    def record_shadow(self, max_diff: float, tolerance: float = 1e-4) -> bool:
+        """Count one shadow check; True when the hit agreed with the cold prefill."""
         self.shadow_checks += 1
         self.shadow_mismatches += max_diff > tolerance
         self.shadow_max_diff = max(self.shadow_max_diff, max_diff)
+        return max_diff <= tolerance
 
     def record(self, event: CacheLookup) -> None:
         plan = event.plan

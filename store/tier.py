@@ -30,8 +30,9 @@ class DiskMiss(Exception):
     """A segment the disk tier cannot deliver; the message is the reason."""
 
 
-def _identity(key: str, layer: int, kind: str, part: int) -> bytes:
-    return key.encode() + struct.pack("<iI", layer, part) + kind.encode()
+def _identity(key: str, layer: int, kind: str, part: int, per_segment: int, position: int) -> bytes:
+    """What a blob is, hashed together with its bytes: moved, relabelled or re-positioned, it fails."""
+    return key.encode() + struct.pack("<iIBq", layer, part, per_segment, position) + kind.encode()
 
 
 class DiskTier:
@@ -51,37 +52,53 @@ class DiskTier:
         return self.db.execute("SELECT 1 FROM segments WHERE key = ?", [key.hex()]).fetchone() is not None
 
     def save(self, key_b: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
-             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> None:
-        key = key_b.hex()
+             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> tuple[bool, str]:
+        """Merge `pieces` into the segment's row (kinds not given keep what is stored):
+        (True, "") or (False, reason); nothing is half-written either way."""
+        try:
+            self._save(key_b.hex(), parent, index, tokens, layout, pieces)
+        except (sqlite3.Error, OSError, BlobError, ValueError) as e:
+            self.failures["save"] = self.failures.get("save", 0) + 1
+            return False, f"save: {type(e).__name__}: {e}"
+        self.saved += 1
+        return True, ""
+
+    def _save(self, key: str, parent: bytes, index: int, tokens: bytes, layout: bytes, pieces: dict) -> None:
         rows = []
+        counts = {}
         for (layer, kind), (per_segment, data, position) in sorted(pieces.items()):
             items = data if isinstance(data, tuple) else (data,)
+            counts[f"{layer}:{kind}"] = len(items)
             for part, t in enumerate(items):
-                base = {"segment": key, "layer": layer, "kind": kind, "part": part,
-                        "per_segment": int(per_segment), "position": position,
-                        "is_none": int(t is None), "codec": "hcwb1+zstd"}
                 if t is None:
-                    rows.append({**base, "raw_len": 0, "length": 0, "checksum": checksum(_identity(key, layer, kind, part)),
-                                 "data": b""})
-                    continue
+                    raise ValueError(f"piece {layer}:{kind} part {part} is None")
                 blob = encode(t)
-                rows.append({**base, "raw_len": t.numel() * t.element_size(), "length": len(blob),
-                             "checksum": checksum(_identity(key, layer, kind, part) + blob), "data": blob})
-        presence = sorted({f"{layer}:{kind}" for layer, kind in pieces})
-        segment = {"key": key, "parent": parent.hex(), "idx": index, "layout": layout.hex(), "tokens": tokens,
-                   "token_digest": checksum(tokens).hex(), "presence": json.dumps(presence),
-                   "bytes": sum(r["length"] for r in rows), "created": _now()}
+                ident = _identity(key, layer, kind, part, int(per_segment), position)
+                rows.append({"segment": key, "layer": layer, "kind": kind, "part": part,
+                             "per_segment": int(per_segment), "position": position, "is_none": 0,
+                             "codec": "hcwb1+zstd", "raw_len": t.numel() * t.element_size(), "length": len(blob),
+                             "checksum": checksum(ident + blob), "data": blob})
+        if not rows:
+            raise ValueError("a segment with no pieces")
         conn = self.db.conn
         # one transaction, in plain SQL: sqlite-utils' own helpers commit on their way out, which
         # would let the row become visible before its blobs
         with conn:
-            conn.execute("DELETE FROM blobs WHERE segment = ?", [key])
+            old = conn.execute("SELECT presence, bytes FROM segments WHERE key = ?", [key]).fetchone()
+            presence = json.loads(old[0]) if old else {}
+            for name in counts:
+                layer, kind = name.split(":", 1)
+                conn.execute("DELETE FROM blobs WHERE segment = ? AND layer = ? AND kind = ?", [key, int(layer), kind])
+            presence.update(counts)
+            stored = conn.execute("SELECT coalesce(sum(length), 0) FROM blobs WHERE segment = ?", [key]).fetchone()[0]
+            segment = {"key": key, "parent": parent.hex(), "idx": index, "layout": layout.hex(), "tokens": tokens,
+                       "token_digest": checksum(tokens).hex(), "presence": json.dumps(presence, sort_keys=True),
+                       "bytes": stored + sum(r["length"] for r in rows), "created": _now()}
             conn.execute(f"INSERT OR REPLACE INTO segments ({', '.join(segment)}) "
                          f"VALUES ({', '.join('?' * len(segment))})", list(segment.values()))
-            cols = list(rows[0]) if rows else []
+            cols = list(rows[0])
             conn.executemany(f"INSERT INTO blobs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                              [[r[c] for c in cols] for r in rows])
-        self.saved += 1
 
     def segments(self) -> list[dict]:
         """Rows of this layout, parents before children."""
@@ -116,31 +133,29 @@ class DiskTier:
             raise DiskMiss("checksum: token ids do not match their digest")
         parts: dict[tuple[int, str], dict[int, object]] = {}
         flags: dict[tuple[int, str], tuple[bool, int]] = {}
-        for layer, kind, part, per_segment, position, is_none, length, csum, data in self.db.execute(
-                "SELECT layer, kind, part, per_segment, position, is_none, length, checksum, data FROM blobs "
+        for layer, kind, part, per_segment, position, length, csum, data in self.db.execute(
+                "SELECT layer, kind, part, per_segment, position, length, checksum, data FROM blobs "
                 "WHERE segment = ?", [key]):
             if deadline is not None and time.monotonic() > deadline:
                 raise DiskMiss("timeout: the read deadline passed")
             if not isinstance(data, bytes) or len(data) != length:
                 got = len(data) if isinstance(data, bytes) else type(data).__name__
                 raise DiskMiss(f"length: blob {layer}:{kind}:{part} holds {got}, row says {length} bytes")
-            ident = _identity(key, layer, kind, part)
-            if checksum(ident + data) != csum:
+            if checksum(_identity(key, layer, kind, part, per_segment, position) + data) != csum:
                 raise DiskMiss(f"checksum: blob {layer}:{kind}:{part}")
-            if is_none:
-                value = None
-            else:
-                try:
-                    value = decode(data)
-                except BlobError as e:
-                    raise DiskMiss(f"decode: blob {layer}:{kind}:{part}: {e}") from None
-            parts.setdefault((layer, kind), {})[part] = value
+            try:
+                parts.setdefault((layer, kind), {})[part] = decode(data)
+            except BlobError as e:
+                raise DiskMiss(f"decode: blob {layer}:{kind}:{part}: {e}") from None
             flags[(layer, kind)] = (bool(per_segment), position)
-        expected = set(json.loads(presence))
-        if {f"{layer}:{kind}" for layer, kind in parts} != expected:
-            raise DiskMiss("missing: the segment's blobs do not cover its recorded pieces")
+        expected = json.loads(presence)
+        found = {f"{layer}:{kind}": len(by_part) for (layer, kind), by_part in parts.items()}
+        if found != expected:
+            raise DiskMiss("missing: the segment's blobs do not match its recorded pieces and parts")
         pieces = {}
         for k, by_part in parts.items():
+            if sorted(by_part) != list(range(len(by_part))):
+                raise DiskMiss(f"missing: piece {k[0]}:{k[1]} lacks a part")
             values = [by_part[i] for i in range(len(by_part))]
             per_segment, position = flags[k]
             pieces[k] = (per_segment, values[0] if len(values) == 1 else tuple(values), position)

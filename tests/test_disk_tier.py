@@ -307,9 +307,10 @@ class DiskMachine(RuleBasedStateMachine):
         key = seed.to_bytes(16, "little")
         pieces = {(layer, "kv"): (True, (torch.randn(1, width, generator=g), torch.randn(1, width, generator=g)), 16)
                   for layer in range(n + 1)}
-        pieces[(0, "overlap")] = (False, None, 16)
-        self.tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), self.layout, pieces)
-        self.model[key] = pieces
+        pieces[(0, "overlap")] = (False, (torch.zeros(1, 0, 4), torch.zeros(1, 0, 4)), 16)  # an empty overlap
+        ok, why = self.tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), self.layout, pieces)
+        assert ok, why
+        self.model[key] = {**self.model.get(key, {}), **pieces}  # saves merge by (layer, kind)
 
     @rule(data=st.data())
     def get(self, data):
@@ -322,10 +323,7 @@ class DiskMachine(RuleBasedStateMachine):
         for k, (per_segment, value, position) in self.model[key].items():
             got = pieces[k]
             assert got[0] == per_segment and got[2] == position
-            if value is None:
-                assert got[1] is None
-            else:
-                assert all(torch.equal(a, b) for a, b in zip(got[1], value))
+            assert len(got[1]) == len(value) and all(torch.equal(a, b) for a, b in zip(got[1], value))
 
     @rule(data=st.data())
     def evict(self, data):
@@ -338,6 +336,11 @@ class DiskMachine(RuleBasedStateMachine):
         del self.model[key]
         pieces, why = self.tier.load(key)
         assert pieces is None and why.startswith("missing")
+
+    @rule()
+    def save_nothing_is_refused(self):
+        ok, why = self.tier.save(b"\x09" * 16, b"\x00" * 16, 0, bytes(8 * 16), self.layout, {})
+        assert not ok and "no pieces" in why
 
     @rule()
     def crash_and_reopen(self):
@@ -360,3 +363,20 @@ class DiskMachine(RuleBasedStateMachine):
 
 DiskMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
 TestDiskMachine = DiskMachine.TestCase
+
+
+def test_a_blob_relabelled_to_another_position_or_role_fails_its_checksum(model_dir, tmp_path):
+    model = load_model(model_dir, device="cpu")
+    db = tmp_path / "meta.db"
+    prompt = _prompt(100)
+    _saved(model, db, prompt)
+    con = sqlite3.connect(db)
+    (victim,) = con.execute("SELECT id FROM blobs WHERE per_segment = 0 LIMIT 1").fetchone()
+    con.execute("UPDATE blobs SET position = position - 16 WHERE id = ?", [victim])
+    con.commit()
+    run, cache, diff = _resume(model, db, prompt + [1])
+    assert diff <= 1e-4 and cache.lower.failures.get("checksum", 0) >= 1
+    con.execute("UPDATE blobs SET position = position + 16, per_segment = 1 WHERE id = ?", [victim])
+    con.commit()
+    run, cache, diff = _resume(model, db, prompt + [1])
+    assert diff <= 1e-4 and cache.lower.failures.get("checksum", 0) >= 1

@@ -343,3 +343,44 @@ def test_evicted_records_spill_to_the_lower_tier_and_come_back_exact(model):
     run = engine.start(prompt + [5])
     assert run.plan.usable_tokens == len(prompt) // B * B and cache.metrics.lower_fetches > 0
     assert (run.logits - _cold_logits(model, prompt + [5])).abs().max().item() <= 1e-4
+
+
+def test_a_resent_prompt_resumes_at_its_own_last_segment_after_decoding_moved_on(model):
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=4))
+    engine = Engine(model, cache=cache)
+    prompt = torch.randint(0, 97, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine.generate(prompt, SamplingParams(max_new_tokens=20, greedy=True))  # decoding crosses boundary 96
+    run = engine.start(prompt[:-1] + [7])  # the same conversation, its last user token edited
+    assert run.plan.usable_tokens == 80  # the prompt-end checkpoint survived the request's end
+    assert (run.logits - _cold_logits(model, prompt[:-1] + [7])).abs().max().item() <= 1e-4
+
+
+def test_shadow_verification_catches_what_validation_cannot_and_answers_cold(model):
+    engine, prompt = _warm(model, shadow_fraction=1.0)
+    # damage the *values* of a per-segment piece the resume uses: same shape, dtype and position,
+    # so every check passes
+    rec = _records(engine, prompt)[0]
+
+    def size(p):
+        return sum(t.numel() for t in (p.data if isinstance(p.data, tuple) else (p.data,)))
+    key = max((k for k, p in rec.pieces.items() if p.per_segment), key=lambda k: size(rec.pieces[k]))
+    piece = rec.pieces[key]
+    data = piece.data
+    rec.pieces[key] = replace(piece, data=(data[0] + 1.0, *data[1:]) if isinstance(data, tuple) else data + 1.0)
+    query = prompt + [3]
+    run = engine.start(query)
+    m = engine.metrics()["shadow"]
+    assert m["checks"] == 1 and m["mismatches"] == 1
+    assert (run.logits - _cold_logits(model, query)).abs().max().item() <= 1e-4
+    assert rec.key not in engine.cache.table  # the damaged records are gone
+
+
+def test_ordinary_requests_do_not_count_against_the_recovery_cap(model):
+    engine, prompt = _warm(model)
+    cache = engine.cache
+    cache.admission.max_pending = 1
+    open_runs = [engine.start(prompt + [i]) for i in range(3)]  # clean hits, none needs recovery
+    assert all(r.plan.usable_tokens > 0 for r in open_runs) and cache.admission.refused == 0
+    for r in open_runs:
+        r.finish()
+    assert not cache.admission.pending

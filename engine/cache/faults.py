@@ -110,8 +110,10 @@ class MemoryTier:
         self.mode = ""  # "" | "fail" | "delay"
         self.delay_s = 0.0
 
-    def save(self, key, parent, index, tokens, layout, pieces) -> None:
-        self.rows[key] = (parent, index, tokens, {k: (p, _copy(d), pos) for k, (p, d, pos) in pieces.items()})
+    def save(self, key, parent, index, tokens, layout, pieces) -> tuple[bool, str]:
+        old = self.rows[key][3] if key in self.rows else {}
+        self.rows[key] = (parent, index, tokens, {**old, **{k: (p, _copy(d), pos) for k, (p, d, pos) in pieces.items()}})
+        return True, ""
 
     def segments(self) -> list[dict]:
         return [{"key": k.hex(), "parent": r[0].hex(), "idx": r[1], "tokens": r[2]} for k, r in self.rows.items()]

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from engine.cache.prefix_index import ROOT, PrefixIndex
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
@@ -82,8 +83,9 @@ class LowerTier(Protocol):
     """A slower tier behind the table (store.tier.DiskTier). Plain values only: a piece is
     (per_segment, data, position); failures come back as (None, reason), never as exceptions."""
 
+    # merges `pieces` into what the tier holds for the key; (True, "") or (False, reason)
     def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
-             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> None: ...
+             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> tuple[bool, str]: ...
     def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]: ...
     def segments(self) -> list[dict]: ...
 
@@ -121,11 +123,19 @@ class PrefixCache:
         if self.lower is None or node is None:
             self.index.remove(rec.key)
             return
-        if self.persisted.get(rec.key) != rec.version:
-            self.lower.save(rec.key, node.parent, node.index, node.data, rec.layout,
-                            {k: (p.per_segment, p.data, p.position) for k, p in rec.pieces.items()})
-            self.persisted[rec.key] = rec.version
+        if self.persisted.get(rec.key) != rec.version and not self._save_record(rec, node):
+            self.index.remove(rec.key)  # neither in memory nor on the lower tier: not a hit any more
+            return
         self.metrics.spills += 1
+
+    def _save_record(self, rec, node) -> bool:
+        ok, why = self.lower.save(rec.key, node.parent, node.index, node.data, rec.layout,
+                                  {k: (p.per_segment, p.data, p.position) for k, p in rec.pieces.items()})
+        if ok:
+            self.persisted[rec.key] = rec.version
+        else:
+            self.metrics.lower_failures["save: " + why.split(":", 1)[0]] += 1
+        return ok
 
     def _index_lower(self) -> None:
         """Make the lower tier's segments matchable: they are logical hits until fetched."""
@@ -149,7 +159,9 @@ class PrefixCache:
                 reasons.append(f"lower tier: segment {node.index}: {why}; recomputed from there")
                 self.metrics.lower_failures[why.split(":", 1)[0]] += 1
                 return
-            rec = self.table.put(node.key, node.index, self.layout, {k: Piece(*v) for k, v in pieces.items()})
+            device = self.model.device
+            rec = self.table.put(node.key, node.index, self.layout,
+                                 {k: Piece(v[0], _to(v[1], device), v[2]) for k, v in pieces.items()})
             self.persisted[node.key] = rec.version
             self.metrics.lower_fetches += 1
 
@@ -162,10 +174,7 @@ class PrefixCache:
             node = self.index.nodes.get(rec.key)
             if node is None or self.persisted.get(rec.key) == rec.version:
                 continue
-            self.lower.save(rec.key, node.parent, node.index, node.data, rec.layout,
-                            {k: (p.per_segment, p.data, p.position) for k, p in rec.pieces.items()})
-            self.persisted[rec.key] = rec.version
-            n += 1
+            n += self._save_record(rec, node)
         return n
 
     def should_shadow(self) -> bool:
@@ -240,7 +249,13 @@ class PrefixCache:
                             return None, f"{layer_no}: layer {i} {kind}: {bad}"
                     datas = [r.pieces[(i, kind)].data for r in owners]
                     pieces[kind] = datas if tp.per_segment else datas[0]
-                layers.append(template.assemble(plan.usable_tokens, pieces))
+                try:
+                    layers.append(template.assemble(plan.usable_tokens, pieces))
+                except (RuntimeError, ValueError, IndexError, TypeError) as e:
+                    # pieces that passed each check but do not fit together: drop the boundary, re-plan
+                    self.table.drop(records[-1].key, lambda layer, k, p, li=i: layer == li and not p.per_segment)
+                    self.metrics.validation_failures["layer 4"] += 1
+                    return None, f"layer 4: layer {i} pieces do not assemble: {e}"
             if [r.version for r in records] != versions:
                 return None, "a record changed between check and use"
             self.before_use(plan)
@@ -258,12 +273,15 @@ class PrefixCache:
 
     def _check(self, data, template_data) -> str | None:
         tensors = data if isinstance(data, tuple) else (data,)
-        likes = template_data if isinstance(template_data, tuple) else (template_data,) * len(tensors)
+        likes = template_data if isinstance(template_data, tuple) else (template_data,)
+        if len(tensors) != len(likes):
+            return f"{len(tensors)} parts, the state has {len(likes)}"
         for t, like in zip(tensors, likes):
-            if t is not None:
-                why = check_buffer(t, like, self.model.device)
-                if why:
-                    return why
+            if not isinstance(t, torch.Tensor):
+                return f"a part is {type(t).__name__}, not a tensor"
+            why = check_buffer(t, like, self.model.device)
+            if why:
+                return why
         return None
 
     def writer(self, plan: ReusePlan, ticket: int | None = None) -> RequestWriter:
@@ -280,6 +298,7 @@ class RequestWriter:
         self.next_index = plan.usable_tokens // cache.block_size
         self.prompt_end = plan.prompt_tokens // cache.block_size * cache.block_size
         self.first: bytes | None = None  # the branch point: the first boundary whose snapshots we added
+        self.prompt_end_key: bytes | None = None  # the prompt's last whole segment: resent prompts resume here
         self.captured: list[tuple[bytes, int]] = []  # (key, segment index) whose snapshots we added
 
     def next_stop(self, seq_len: int) -> int:
@@ -312,6 +331,8 @@ class RequestWriter:
                 return
             self.next_index += 1
             self.parent = node.key
+            if (j + 1) * b == self.prompt_end:
+                self.prompt_end_key = node.key
             before = self.cache.table.get(node.key)
             had = set(before.pieces) if before is not None else set()
             pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
@@ -338,9 +359,17 @@ class RequestWriter:
             keep.add(self.first)
         if cfg.checkpoint_request_end:
             keep.add(self.captured[-1][0])
+            if self.prompt_end_key is not None:
+                keep.add(self.prompt_end_key)
         for key, j in self.captured:
             if key in keep or (j + 1) % every == 0:
                 continue
             self.cache.table.drop(key, lambda layer, kind, piece: not piece.per_segment)
         # the end of every turn: what was answered is on the lower tier before the next one
         self.cache.save()
+
+
+def _to(data, device):
+    if isinstance(data, tuple):
+        return tuple(_to(t, device) for t in data)
+    return data.to(device) if isinstance(data, torch.Tensor) else data

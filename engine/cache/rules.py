@@ -41,7 +41,8 @@ class AdmissionControl:
         """A ticket to hold while the plan is carried out, or None: do not reuse, recompute."""
         cost = self.recovery_tokens(plan)
         if cost:
-            if len(self.pending) >= self.max_pending or sum(self.pending.values()) + cost > self.recovery_budget_tokens:
+            recovering = [c for c in self.pending.values() if c]
+            if len(recovering) >= self.max_pending or sum(recovering) + cost > self.recovery_budget_tokens:
                 self.refused += 1
                 return None
         self._next += 1

@@ -154,7 +154,7 @@ class StateTable:
         if self.used <= self.budget and self.host_used <= self.host_budget:
             return evicted
         for rec in sorted(self.records.values(), key=lambda r: r.last_access_step):
-            if self.used <= self.budget:
+            if self.used <= self.budget or not self.host_budget:  # no host tier: evict directly
                 break
             if not rec.pins and rec.tier == "device":
                 self._demote(rec)

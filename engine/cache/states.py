@@ -51,8 +51,8 @@ class Piece:
     per_segment: the slice produced by the segment's own tokens (KV, compressed entries, index
     keys); a prefix needs the pieces of every segment before it. Otherwise a snapshot of the
     state exactly at hi (GDN recurrent and conv, SWA window, tails, overlaps); a prefix ending
-    at hi needs that one snapshot. `data` is a tensor, a tuple of tensors, or None (the state is
-    legitimately empty there, e.g. no overlap before the first window closes)."""
+    at hi needs that one snapshot. `data` is a tensor or a tuple of tensors; an empty state is a
+    zero-length tensor, never None, so every piece can be held to its template's shape and dtype."""
 
     per_segment: bool
     data: object
@@ -257,14 +257,19 @@ class CompressedState:
             return out
         out[prefix + "tail"] = Piece(False, (self.tail_kv.clone(), self.tail_gate.clone()))
         if self.overlapping:
-            out[prefix + "overlap"] = Piece(False, _clone((self.overlap_kv, self.overlap_gate))
-                                            if self.overlap_kv is not None else None)
+            # before the first window closes there is no overlap: stored as zero-length slices, so a
+            # piece is never None and a buffer check always has a shape and dtype to hold it to
+            empty = self.entries[:, :0]
+            pair = (self.overlap_kv, self.overlap_gate) if self.overlap_kv is not None else (empty, empty)
+            out[prefix + "overlap"] = Piece(False, _clone(pair))
         return out
 
     def assemble(self, seq_len: int, pieces: dict[str, object], prefix: str = "") -> CompressedState:
         entries = torch.cat([self.entries, *pieces[prefix + ("keys" if prefix else "compressed")]], dim=1)
         tail_kv, tail_gate = _clone(pieces[prefix + "tail"])
         overlap = _clone(pieces.get(prefix + "overlap")) or (None, None)
+        if overlap[0] is not None and overlap[0].shape[1] == 0:
+            overlap = (None, None)
         return CompressedState(self.rate, self.overlapping, entries, tail_kv, tail_gate, *overlap)
 
 
