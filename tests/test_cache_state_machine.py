@@ -48,7 +48,8 @@ class CacheMachine(RuleBasedStateMachine):
 
         self.model = _model(Path(tempfile.gettempdir()))
         self.cache = PrefixCache(self.model, CacheConfig(block_size=B, checkpoint_every=2, budget_bytes=64 << 20,
-                                                         host_budget_bytes=1 << 20))
+                                                         host_budget_bytes=1 << 20,
+                                                         group_budgets=(("recurrent", 256 << 10),)))
         self.engine = Engine(self.model, cache=self.cache)
         self.oracle = Engine(self.model)
         self.history: dict[int, list[int]] = {}
@@ -118,6 +119,7 @@ class CacheMachine(RuleBasedStateMachine):
         table = self.cache.table
         assert table.used == sum(r.nbytes() for r in table if r.tier == "device")
         assert table.host_used == sum(r.nbytes() for r in table if r.tier == "host")
+        assert sum(table.group_used.values()) == table.used + table.host_used
         assert all(r.pins == 0 for r in self.cache.table)
 
 

@@ -384,3 +384,27 @@ def test_ordinary_requests_do_not_count_against_the_recovery_cap(model):
     for r in open_runs:
         r.finish()
     assert not cache.admission.pending
+
+
+def test_a_cache_group_over_its_budget_loses_only_its_own_pieces(model):
+    from engine.cache.recovery import group_of
+
+    engine, prompt = _warm(model)
+    table = engine.cache.table
+    group, used = max(table.group_used.items(), key=lambda kv: kv[1])
+    limit = used // 3
+    others = {g: u for g, u in table.group_used.items() if g != group}
+    table.group_budgets = {group: limit}
+    table.enforce_budget()
+    assert 0 < table.group_drops and table.group_used[group] <= limit
+    assert {g: u for g, u in table.group_used.items() if g != group} == others  # nobody else paid
+    for g in table.group_used:
+        assert table.group_used[g] == sum(p.nbytes() for r in table for (_, k), p in r.pieces.items()
+                                          if group_of(k) == g)
+    run = engine.start(prompt + [4])
+    assert (run.logits - _cold_logits(model, prompt + [4])).abs().max().item() <= 1e-4
+
+
+def test_unknown_cache_groups_are_refused():
+    with pytest.raises(ValueError, match="unknown cache groups"):
+        CacheConfig(group_budgets=(("bogus", 1),))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.cache.prefix_index import ROOT, PrefixIndex
+from engine.cache.recovery import GROUPS, group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
 from engine.cache.states import ModelState, Piece
@@ -41,6 +42,7 @@ class CacheConfig:
     block_size: int = 64
     budget_bytes: int = 1 << 30  # device tier
     host_budget_bytes: int = 0  # host tier: device records are demoted here before they are evicted
+    group_budgets: tuple[tuple[str, int], ...] = ()  # per cache group, e.g. (("recurrent", 64 << 20),)
     checkpoint_every: int = 4  # boundary snapshots kept every K segments (plus request ends, branch points)
     checkpoint_request_end: bool = True  # keep the last boundary a request wrote
     checkpoint_branch_point: bool = True  # keep the first boundary a request wrote (where it left the cache)
@@ -60,6 +62,9 @@ class CacheConfig:
             raise ValueError("checkpoint_every must be >= 1")
         if not 0.0 <= self.shadow_fraction <= 1.0:
             raise ValueError("shadow_fraction must be in [0, 1]")
+        unknown = sorted({g for g, _ in self.group_budgets} - set(GROUPS))
+        if unknown:
+            raise ValueError(f"unknown cache groups {unknown}; groups: {', '.join(GROUPS)}")
         if self.reuse not in ("exact", "off"):
             raise ValueError(f"reuse must be 'exact' or 'off', got {self.reuse!r}")
 
@@ -99,7 +104,8 @@ class PrefixCache:
         self.template = model.new_state()
         self.layout = layout_fingerprint(model, self.config)
         self.index = PrefixIndex(self.config.block_size, self.layout)
-        self.table = StateTable(self.config.budget_bytes, self.config.host_budget_bytes)
+        self.table = StateTable(self.config.budget_bytes, self.config.host_budget_bytes,
+                                dict(self.config.group_budgets), group_of)
         self.table.on_evict = self._evicted
         self.template_pieces = [s.export(0, 0) for s in self.template.layers]
         reqs = [Requirement(i, kind, piece.per_segment)

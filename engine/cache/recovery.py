@@ -14,29 +14,37 @@ from dataclasses import dataclass
 class Route:
     path: str  # what recovery does, as the plan and the events name it
     per_segment: bool  # the piece is a per-segment slice (else a snapshot at a segment end)
+    group: str  # the cache group (pool) whose budget the kind's pieces count against
 
 
 ROUTES: dict[str, Route] = {
     # GDN states are not token-addressable: resume at the nearest earlier checkpoint, replay from there
-    "recurrent": Route("replay from the nearest earlier checkpoint", False),
-    "conv": Route("replay from the nearest earlier checkpoint", False),
+    "recurrent": Route("replay from the nearest earlier checkpoint", False, "recurrent"),
+    "conv": Route("replay from the nearest earlier checkpoint", False, "recurrent"),
     # token-addressable KV: recompute the tokens of the first segment whose KV is gone
-    "kv": Route("recompute from the first segment missing KV", True),
+    "kv": Route("recompute from the first segment missing KV", True, "full_kv"),
     # compressed entries are rebuilt only from the layer's inputs, which are not kept: recompute
-    "compressed": Route("recompute from the first segment missing compressed entries", True),
+    "compressed": Route("recompute from the first segment missing compressed entries", True, "compressed"),
     # the open window's raw tokens: resume at an earlier boundary and recompute the tail tokens
-    "tail": Route("recompute the uncompressed tail from an earlier boundary", False),
-    "overlap": Route("recompute the overlap window from an earlier boundary", False),
+    "tail": Route("recompute the uncompressed tail from an earlier boundary", False, "compressed"),
+    "overlap": Route("recompute the overlap window from an earlier boundary", False, "compressed"),
     # the sliding window must be aligned to the resume point: redraw it at an earlier boundary
-    "window": Route("redraw the sliding window at an earlier boundary", False),
+    "window": Route("redraw the sliding window at an earlier boundary", False, "swa"),
     # indexer keys come from the compressed inputs, never from KV alone: recompute them
-    "index_keys": Route("recompute indexer keys from the first segment missing them", True),
-    "index_tail": Route("recompute the indexer tail from an earlier boundary", False),
-    "index_overlap": Route("recompute the indexer overlap from an earlier boundary", False),
+    "index_keys": Route("recompute indexer keys from the first segment missing them", True, "indexer"),
+    "index_tail": Route("recompute the indexer tail from an earlier boundary", False, "indexer"),
+    "index_overlap": Route("recompute the indexer overlap from an earlier boundary", False, "indexer"),
     # a segment only the lower tier held: fetched with a deadline; failure, timeout or corruption
     # makes that range a miss, recomputed
-    "on_disk": Route("fetch from the lower tier failed or timed out: recompute the range", True),
+    "on_disk": Route("fetch from the lower tier failed or timed out: recompute the range", True, "lower"),
 }
+
+
+GROUPS = sorted({r.group for r in ROUTES.values()})
+
+
+def group_of(kind: str) -> str:
+    return route(kind).group
 
 
 def route(kind: str) -> Route:

@@ -12,6 +12,7 @@ Every change to a record's pieces (or tier) bumps its version, so a plan made be
 from __future__ import annotations
 
 from collections.abc import Iterator
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import psutil
@@ -39,13 +40,14 @@ class SegmentRecord:
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.pieces.values())
 
-    def drop(self, predicate) -> int:
-        """Remove the pieces `predicate(layer, kind, piece)` selects; returns bytes freed."""
-        doomed = [k for k, p in self.pieces.items() if predicate(k[0], k[1], p)]
-        freed = sum(self.pieces.pop(k).nbytes() for k in doomed)
+    def drop(self, predicate) -> dict[PieceKey, Piece]:
+        """Remove the pieces `predicate(layer, kind, piece)` selects; returns them."""
+        doomed = {k: p for k, p in self.pieces.items() if predicate(k[0], k[1], p)}
+        for k in doomed:
+            del self.pieces[k]
         if doomed:
             self.version += 1
-        return freed
+        return doomed
 
 
 def _to(data, device):
@@ -57,7 +59,13 @@ def _to(data, device):
 
 
 class StateTable:
-    def __init__(self, budget_bytes: int, host_budget_bytes: int = 0):
+    """Budgets: one per tier (device, host), and optionally one per cache group (e.g. "recurrent"
+    checkpoints, "full_kv", "swa", "compressed", "indexer"; `group_of` maps a state kind to its
+    group). Past a group's budget the least-recently-used unpinned records lose that group's
+    pieces only; the validator then routes around what is gone."""
+
+    def __init__(self, budget_bytes: int, host_budget_bytes: int = 0, group_budgets: dict[str, int] | None = None,
+                 group_of=lambda kind: kind):
         if budget_bytes <= 0 or host_budget_bytes < 0:
             raise ValueError("the cache budget must be > 0 bytes (and the host budget >= 0)")
         available = psutil.virtual_memory().available
@@ -70,6 +78,10 @@ class StateTable:
         self.used = 0
         self.host_used = 0
         self.demotions = 0
+        self.group_budgets = dict(group_budgets or {})
+        self.group_of = group_of
+        self.group_used: Counter = Counter()
+        self.group_drops = 0
         self.step = 0
         self.evictions = 0
         self.on_evict = None  # called with each evicted record (spill it, or forget it in the index)
@@ -96,31 +108,31 @@ class StateTable:
         if added:
             if rec.tier == "host":
                 added = {k: replace(p, data=_to(p.data, "cpu")) for k, p in added.items()}
-                self.host_used += sum(p.nbytes() for p in added.values())
-            else:
-                self.used += sum(p.nbytes() for p in added.values())
+            self._account(rec, added, +1)
             rec.pieces.update(added)
             rec.version += 1
         self.touch(rec)
         self.enforce_budget()
         return rec
 
+    def _account(self, rec: SegmentRecord, pieces: dict[PieceKey, Piece], sign: int) -> None:
+        for (_, kind), p in pieces.items():
+            n = sign * p.nbytes()
+            if rec.tier == "host":
+                self.host_used += n
+            else:
+                self.used += n
+            self.group_used[self.group_of(kind)] += n
+
     def drop(self, key: bytes, predicate) -> None:
         rec = self.records.get(key)
         if rec is not None:
-            freed = rec.drop(predicate)
-            if rec.tier == "host":
-                self.host_used -= freed
-            else:
-                self.used -= freed
+            self._account(rec, rec.drop(predicate), -1)
 
     def remove(self, key: bytes) -> SegmentRecord | None:
         rec = self.records.pop(key, None)
         if rec is not None:
-            if rec.tier == "host":
-                self.host_used -= rec.nbytes()
-            else:
-                self.used -= rec.nbytes()
+            self._account(rec, rec.pieces, -1)
         return rec
 
     def promote(self, rec: SegmentRecord, device) -> None:
@@ -148,8 +160,9 @@ class StateTable:
         return self.enforce_budget()
 
     def enforce_budget(self) -> list[bytes]:
-        """Demote unpinned device records to host, then evict unpinned host records, least
-        recently used first, until both tiers are within budget."""
+        """Trim over-budget groups, then demote unpinned device records to host, then evict
+        unpinned host records, least recently used first, until every budget holds."""
+        self._enforce_groups()
         evicted = []
         if self.used <= self.budget and self.host_used <= self.host_budget:
             return evicted
@@ -169,6 +182,19 @@ class StateTable:
                 self.on_evict(rec)
         self.evictions += len(evicted)
         return evicted
+
+    def _enforce_groups(self) -> None:
+        for group, limit in self.group_budgets.items():
+            if self.group_used[group] <= limit:
+                continue
+            for rec in sorted(self.records.values(), key=lambda r: r.last_access_step):
+                if self.group_used[group] <= limit:
+                    break
+                if rec.pins:
+                    continue
+                before = len(rec.pieces)
+                self.drop(rec.key, lambda layer, kind, p, g=group: self.group_of(kind) == g)
+                self.group_drops += before - len(rec.pieces)
 
     def pin(self, keys: list[bytes]) -> None:
         for k in keys:
