@@ -39,10 +39,6 @@ def _shuffle(raw: np.ndarray, itemsize: int) -> bytes:
     return raw.reshape(-1, itemsize).T.tobytes()
 
 
-def _unshuffle(raw: bytes, itemsize: int) -> bytes:
-    return np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, -1).T.tobytes()
-
-
 def encode(t: torch.Tensor, level: int = LEVEL, shuffle: bool = True) -> bytes:
     if t.dtype not in _CODE:
         raise BlobError(f"dtype {t.dtype} has no blob encoding")
@@ -88,8 +84,9 @@ def decode(blob: bytes) -> torch.Tensor:
         raise BlobError(f"zstd: {e}") from None
     if len(raw) != expected:
         raise BlobError(f"{len(raw)} bytes decompressed, expected {expected}")
-    if shuffled:
-        raw = _unshuffle(raw, itemsize)
+    # one copy: the un-shuffle (or, unshuffled, a writable copy); torch then shares that memory
+    flat = np.frombuffer(raw, dtype=np.uint8)
+    flat = flat.reshape(itemsize, -1).T.copy(order="C").reshape(-1) if shuffled else flat.copy()
     if not expected:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    return torch.from_numpy(flat).view(dtype).reshape(shape)
