@@ -68,6 +68,14 @@ def _saved(model, db_path, prompt):
     return cache
 
 
+def _saved_session(model_dir, db_path):
+    """A model, and a database holding one saved 100-token session of it."""
+    model = load_model(model_dir, device="cpu")
+    prompt = _prompt(100)
+    _saved(model, db_path, prompt)
+    return model, db_path, prompt
+
+
 def _tier(model, db_path):
     from engine.cache.prefix_cache import layout_fingerprint
 
@@ -122,10 +130,7 @@ def _blob_rows(db_path):
 def test_single_bit_flips_are_all_detected_and_recomputed(model_dir, tmp_path):
     from workbench.corruption import flip_trials
 
-    model = load_model(model_dir, device="cpu")
-    db = tmp_path / "flip.db"
-    prompt = _prompt(100)
-    _saved(model, db, prompt)
+    model, db, prompt = _saved_session(model_dir, tmp_path / "flip.db")
     result = flip_trials(model, db, prompt, trials=200, block_size=B)
     assert result["detected"] == 200 and result["wrong_reuse"] == 0, result
     assert result["max_diff"] <= 1e-4 and set(result["reasons"]) <= {"checksum"}
@@ -140,10 +145,7 @@ def test_single_bit_flips_are_all_detected_and_recomputed(model_dir, tmp_path):
     ("UPDATE segments SET layout = 'ff' || substr(layout, 3)", "missing"),
 ])
 def test_truncation_zeroed_tails_lost_blobs_and_foreign_layouts_are_misses(model_dir, tmp_path, damage, reason):
-    model = load_model(model_dir, device="cpu")
-    db = tmp_path / "dmg.db"
-    prompt = _prompt(100)
-    _saved(model, db, prompt)
+    model, db, prompt = _saved_session(model_dir, tmp_path / "dmg.db")
     con, rows = _blob_rows(db)
     victim = rows[len(rows) // 2][0]
     if damage == "zero-tail":
@@ -164,10 +166,7 @@ def test_truncation_zeroed_tails_lost_blobs_and_foreign_layouts_are_misses(model
 
 
 def test_blobs_swapped_between_rows_fail_their_identity_checksum(model_dir, tmp_path):
-    model = load_model(model_dir, device="cpu")
-    db = tmp_path / "swap.db"
-    prompt = _prompt(100)
-    _saved(model, db, prompt)
+    model, db, prompt = _saved_session(model_dir, tmp_path / "swap.db")
     con = sqlite3.connect(db)
     # two same-shaped blobs of different segments, moved with their own checksums and lengths
     a, b = con.execute("SELECT id FROM blobs WHERE kind = 'kv' AND part = 0 ORDER BY id LIMIT 2").fetchall()
@@ -181,10 +180,7 @@ def test_blobs_swapped_between_rows_fail_their_identity_checksum(model_dir, tmp_
 
 
 def test_io_errors_and_timeouts_are_clean_misses_with_no_leaked_pins(model_dir, tmp_path):
-    model = load_model(model_dir, device="cpu")
-    db = tmp_path / "io.db"
-    prompt = _prompt(100)
-    _saved(model, db, prompt)
+    model, db, prompt = _saved_session(model_dir, tmp_path / "io.db")
     for error in (OSError(5, "EIO"), sqlite3.OperationalError("database is locked")):
         tier = _tier(model, db)
 
@@ -212,9 +208,7 @@ def test_hcw_inspect_reports_verifies_and_collects(model_dir, tmp_path):
 
     from workbench.cli import app
 
-    model = load_model(model_dir, device="cpu")
-    db = tmp_path / "insp.db"
-    _saved(model, db, _prompt(100))
+    _, db, _ = _saved_session(model_dir, tmp_path / "insp.db")
     runner = CliRunner()
     res = runner.invoke(app, ["inspect", str(db), "--json", "--verify"])
     assert res.exit_code == 0, res.output
@@ -353,10 +347,7 @@ TestDiskMachine = DiskMachine.TestCase
 
 
 def test_a_blob_relabelled_to_another_position_or_role_fails_its_checksum(model_dir, tmp_path):
-    model = load_model(model_dir, device="cpu")
-    db = tmp_path / "meta.db"
-    prompt = _prompt(100)
-    _saved(model, db, prompt)
+    model, db, prompt = _saved_session(model_dir, tmp_path / "meta.db")
     con = sqlite3.connect(db)
     (victim,) = con.execute("SELECT id FROM blobs WHERE per_segment = 0 LIMIT 1").fetchone()
     con.execute("UPDATE blobs SET position = position - 16 WHERE id = ?", [victim])

@@ -262,9 +262,8 @@ class PrefixCache:
                     self.table.drop(records[-1].key, lambda layer, k, p, li=i: layer == li and not p.per_segment)
                     self.metrics.validation_failures["layer 4"] += 1
                     return None, f"layer 4: layer {i} pieces do not assemble: {e}"
-            if [r.version for r in records] != versions:
-                return None, "a record changed between check and use"
             self.before_use(plan)
+            # one comparison covers assembly and the seam before use: any change since the check re-plans
             if [r.version for r in records] != versions:
                 self.metrics.validation_failures["temporal"] += 1
                 return None, "a record changed between check and use"

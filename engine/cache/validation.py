@@ -147,15 +147,14 @@ class Validator:
                          tuple(objects), tuple(failures))
 
 
-def check_buffer(t: torch.Tensor, like: torch.Tensor | None, device: torch.device) -> str | None:
+def check_buffer(t: torch.Tensor, like: torch.Tensor, device: torch.device) -> str | None:
     """Layer 4: why `t` cannot be handed to compute in place of a buffer shaped like `like` (the
     same piece of a fresh state, whose token dimensions are 0 and so match any length), or None.
     The GDN recurrent matrix is float32 in every model dtype, so dtype comes from `like` too."""
-    if like is not None:
-        if t.dtype != like.dtype:
-            return f"dtype {t.dtype} != {like.dtype}"
-        if t.dim() != like.dim() or any(w and a != w for a, w in zip(t.shape, like.shape)):
-            return f"shape {tuple(t.shape)} does not fit {tuple(like.shape)}"
+    if t.dtype != like.dtype:
+        return f"dtype {t.dtype} != {like.dtype}"
+    if t.dim() != like.dim() or any(w and a != w for a, w in zip(t.shape, like.shape)):
+        return f"shape {tuple(t.shape)} does not fit {tuple(like.shape)}"
     if t.device != device:
         return f"device {t.device} != {device}"
     if not t.is_contiguous():

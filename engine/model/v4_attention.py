@@ -18,7 +18,6 @@ Everything remembered between calls lives in a V4AttnState passed in by the call
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.states import CompressedState, V4AttnState, WindowState
