@@ -8,11 +8,15 @@ One file per workbench home. Tables:
     blobs     one encoded tensor per (segment, layer, kind, part): codec, raw length, stored length,
               checksum (xxh3-128 over the blob *and* its identity, so a blob moved to another row
               fails), the bytes
+    conversations, messages, threads
+              chats as a message tree (store/conversations.py): messages content-addressed under
+              their parent, threads a named mutable tip
 """
 
 from __future__ import annotations
 
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 import sqlite_utils
@@ -31,6 +35,28 @@ def m001_cache_tables(db: sqlite_utils.Database) -> None:
                         "checksum": bytes, "data": bytes}, pk="id", foreign_keys=[("segment", "segments", "key")])
     db["blobs"].create_index(["segment"])
     db["segments"].create_index(["layout"])
+
+
+@migrations()
+def m002_conversations(db: sqlite_utils.Database) -> None:
+    db["conversations"].create({"id": str, "title": str, "model": str, "created": str, "updated": str}, pk="id",
+                               not_null={"created", "updated"})
+    db["messages"].create({"id": str, "conversation": str, "parent": str, "role": str, "content": str,
+                           "tokens": int, "meta": str, "created": str}, pk="id",
+                          not_null={"conversation", "role", "content", "meta", "created"},
+                          foreign_keys=[("conversation", "conversations", "id"), ("parent", "messages", "id")])
+    db["threads"].create({"id": str, "conversation": str, "name": str, "tip": str, "forked_from": str,
+                          "created": str, "updated": str}, pk="id",
+                         not_null={"conversation", "name", "created", "updated"},
+                         foreign_keys=[("conversation", "conversations", "id"), ("tip", "messages", "id"),
+                                       ("forked_from", "messages", "id")])
+    db["messages"].create_index(["conversation"])
+    db["messages"].create_index(["parent"])
+    db["threads"].create_index(["conversation"])
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat()
 
 
 def default_home() -> Path:

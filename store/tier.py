@@ -17,13 +17,12 @@ import json
 import sqlite3
 import struct
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import sqlite_utils
 
 from store.codec import BlobError, checksum, decode, encode
-from store.db import open_db
+from store.db import now, open_db
 
 
 class DiskMiss(Exception):
@@ -46,7 +45,7 @@ class DiskTier:
 
     def register_model(self, fingerprint: bytes, config: dict) -> None:
         self.db["models"].upsert({"fingerprint": fingerprint.hex(), "config": json.dumps(config, default=str),
-                                  "created": _now()}, pk="fingerprint")
+                                  "created": now()}, pk="fingerprint")
 
     def has(self, key: bytes) -> bool:
         return self.db.execute("SELECT 1 FROM segments WHERE key = ?", [key.hex()]).fetchone() is not None
@@ -93,7 +92,7 @@ class DiskTier:
             stored = conn.execute("SELECT coalesce(sum(length), 0) FROM blobs WHERE segment = ?", [key]).fetchone()[0]
             segment = {"key": key, "parent": parent.hex(), "idx": index, "layout": layout.hex(), "tokens": tokens,
                        "token_digest": checksum(tokens).hex(), "presence": json.dumps(presence, sort_keys=True),
-                       "bytes": stored + sum(r["length"] for r in rows), "created": _now()}
+                       "bytes": stored + sum(r["length"] for r in rows), "created": now()}
             conn.execute(f"INSERT OR REPLACE INTO segments ({', '.join(segment)}) "
                          f"VALUES ({', '.join('?' * len(segment))})", list(segment.values()))
             cols = list(rows[0])
@@ -163,7 +162,3 @@ class DiskTier:
 
     def close(self) -> None:
         self.db.conn.close()
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat()

@@ -78,12 +78,17 @@ def inspect_db(
     verify: bool = typer.Option(False, "--verify", help="re-check every checksum and fingerprint"),
     gc: bool = typer.Option(False, "--gc", help="remove segments no chain can reach"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    session: str | None = typer.Option(None, "--session", help="one conversation (id or unique prefix): "
+                                       "its threads and branch tree"),
 ) -> None:
-    """Show what the workbench database holds: segments, bytes and compression by state kind."""
+    """Show what the workbench database holds: segments, bytes and compression by state kind, and
+    conversations; with --session, one conversation's threads and branch tree."""
     from workbench.inspect_cmd import inspect
 
+    if session is not None and (verify or gc):
+        _fail("--session shows one conversation; run --verify and --gc without it")
     try:
-        bad = inspect(db, verify, gc, as_json, sys.stdout)
+        bad = inspect(db, verify, gc, as_json, sys.stdout, session)
     except ValueError as e:
         _fail(str(e))
     if bad:
@@ -97,8 +102,8 @@ def train_tiny(
     steps: int = typer.Option(100_000, "--steps", min=1, help="step budget"),
     seed: int = typer.Option(0, "--seed"),
     hidden: int = typer.Option(192, "--hidden", min=32),
-    seq_len: int = typer.Option(768, "--seq-len", min=64),
-    batch_size: int = typer.Option(8, "--batch", min=1),
+    seq_len: int = typer.Option(1024, "--seq-len", min=64, help="final length (the curriculum starts at a quarter)"),
+    batch_size: int = typer.Option(6, "--batch", min=1, help="final batch (doubled per halved length)"),
 ) -> None:
     """Train hcw-tiny (every layer kind) on the synthetic recall data, on this machine's CPU."""
     from workbench.tiny.train import TrainConfig, train
