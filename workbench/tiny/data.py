@@ -54,7 +54,14 @@ def _number(rng: random.Random) -> str:
     return str(rng.randint(1000, 9999))
 
 
-def kv_chat(rng: random.Random, target_tokens: int) -> tuple[list[dict], str]:
+def _ask(rng: random.Random, facts: list[tuple[str, str]], questions: int) -> list[tuple[str, str]]:
+    """`questions` (question, answer) pairs over distinct facts where there are enough of them."""
+    picks = rng.sample(facts, min(questions, len(facts)))
+    picks += [rng.choice(facts) for _ in range(questions - len(picks))]
+    return picks
+
+
+def kv_chat(rng: random.Random, target_tokens: int, questions: int = 1):
     facts = {}
     for name in rng.sample(NAMES, rng.randint(2, 5)):
         facts[(name, rng.choice(THINGS))] = _number(rng)
@@ -65,46 +72,59 @@ def kv_chat(rng: random.Random, target_tokens: int) -> tuple[list[dict], str]:
         turns.append({"role": "user", "content": f"{_filler(rng, rng.randint(5, 20))} The {thing} for {name} is "
                                                  f"{value}. {_filler(rng, budget // (5 * len(items)) + 1)}"})
         turns.append({"role": "assistant", "content": "Noted."})
-    (name, thing), value = rng.choice(items)
-    turns.append({"role": "user", "content": f"What is the {thing} for {name}?"})
-    return turns, value
+    return turns, _ask(rng, [(f"What is the {thing} for {name}?", value) for (name, thing), value in items], questions)
 
 
-def multikey(rng: random.Random, target_tokens: int) -> tuple[list[dict], str]:
-    keys = [f"key-{rng.randint(1000, 9999)}" for _ in range(rng.randint(2, 6))]
+def multikey(rng: random.Random, target_tokens: int, questions: int = 1):
+    keys = [f"key-{k}" for k in rng.sample(range(1000, 10000), rng.randint(2, 10))]
     values = {k: _number(rng) for k in keys}
     chunks = [_filler(rng, max(4, target_tokens // (5 * (len(keys) + 1)))) for _ in range(len(keys) + 1)]
     text = chunks[0]
     for k, chunk in zip(keys, chunks[1:]):
         text += f" The value of {k} is {values[k]}. " + chunk
-    asked = rng.choice(keys)
-    return [{"role": "user", "content": f"{text}\nWhat is the value of {asked}?"}], values[asked]
+    return [{"role": "user", "content": text}], _ask(rng, [(f"What is the value of {k}?", values[k]) for k in keys],
+                                                     questions)
 
 
-def variables(rng: random.Random, target_tokens: int) -> tuple[list[dict], str]:
+def variables(rng: random.Random, target_tokens: int, questions: int = 1):
     names = rng.sample([f"V{i}" for i in range(1, 10)], rng.randint(2, 5))
     value = _number(rng)
     chain = [f"{names[0]} = {value}."] + [f"{b} = {a}." for a, b in zip(names, names[1:])]
     filler = [_filler(rng, max(3, target_tokens // (5 * (len(chain) + 1)))) for _ in range(len(chain) + 1)]
     text = filler[0] + "".join(f" {c} {f}" for c, f in zip(chain, filler[1:]))
-    return [{"role": "user", "content": f"{text}\nWhat is {names[-1]}?"}], value
+    # every name in the chain holds the same value; the last one is the one a single question asks for
+    asks = [(f"What is {names[-1]}?", value)] + _ask(rng, [(f"What is {n}?", value) for n in names[:-1]], questions - 1)
+    return [{"role": "user", "content": text}], asks[:questions][::-1]
 
 
 TASKS = {"kv": kv_chat, "multikey": multikey, "variables": variables}
 
 
 def make_example(rng: random.Random, target_tokens: int, tok: ByteTokenizer | None = None,
-                 kind: str | None = None) -> Example:
+                 kind: str | None = None, questions: int = 1) -> Example:
+    """One chat; with `questions` > 1 the user asks several times and every answer is in the mask
+    (more signal per training token); `answer` is the last one, which the prompt ends asking for."""
     tok = tok or ByteTokenizer()
     kind = kind or rng.choice(sorted(TASKS))
-    messages, answer = TASKS[kind](rng, target_tokens)
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-    target = tok.encode(answer) + [tok.specials["<|end|>"]]
-    return Example(prompt + target, [False] * len(prompt) + [True] * len(target), answer, kind)
+    messages, asks = TASKS[kind](rng, target_tokens, questions)
+    end = tok.specials["<|end|>"]
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, (question, answer) in enumerate(asks):
+        if i:  # the previous answer is in the conversation now
+            messages.append({"role": "assistant", "content": asks[i - 1][1]})
+        messages.append({"role": "user", "content": question})
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        assert prompt[:len(ids)] == ids, "the chat template must render turns as a growing prefix"
+        target = tok.encode(answer) + [end]
+        mask += [False] * (len(prompt) - len(ids)) + [True] * len(target)
+        ids = prompt + target
+    return Example(ids, mask, asks[-1][1], kind)
 
 
-def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None = None):
-    """[size, seq_len] ids and mask; examples are packed left, padded right, cut to fit."""
+def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None = None, max_questions: int = 1):
+    """[size, seq_len] ids and mask, one example per row (1..max_questions questions each), left-aligned,
+    padded right, cut from the left to fit."""
     import torch
 
     tok = tok or ByteTokenizer()
@@ -112,7 +132,7 @@ def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None
     ids = torch.full((size, seq_len), pad, dtype=torch.long)
     mask = torch.zeros((size, seq_len), dtype=torch.bool)
     for row in range(size):
-        ex = make_example(rng, int(seq_len * rng.uniform(0.5, 0.9)), tok)
+        ex = make_example(rng, int(seq_len * rng.uniform(0.5, 0.9)), tok, questions=rng.randint(1, max_questions))
         take = ex.ids[-seq_len:]  # an overlong example keeps its question and answer
         ids[row, :len(take)] = torch.tensor(take)
         mask[row, :len(take)] = torch.tensor(ex.loss_mask[-seq_len:])

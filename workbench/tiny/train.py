@@ -35,8 +35,11 @@ TINY_LAYERS = ("linear_attention", "sliding_attention", "linear_attention", "com
 @dataclass(frozen=True)
 class TrainConfig:
     hidden: int = 192
-    seq_len: int = 768
-    batch_size: int = 8
+    seq_len: int = 1024  # the last phase's length; earlier phases halve it and double the batch
+    batch_size: int = 6
+    halvings: int = 2  # curriculum: seq_len/4 for the first third of the run, seq_len/2, then seq_len
+    max_questions: int = 6
+    text_weight: float = 0.1  # next-token loss on the rest of the text, beside the answers' loss
     steps: int = 100_000
     minutes: float = 85.0
     lr: float = 2e-3
@@ -46,6 +49,12 @@ class TrainConfig:
     log_every: int = 10
     layers: tuple[str, ...] = TINY_LAYERS
 
+    def phase(self, progress: float) -> tuple[int, int]:
+        """(seq_len, batch_size) at `progress` in [0, 1] of the run: short sequences first, for the
+        retrieval circuit to form quickly, then longer ones at the same tokens per step."""
+        k = max(0, self.halvings - int(progress * (self.halvings + 1)))
+        return max(32, self.seq_len >> k), self.batch_size << k
+
     def model_dict(self) -> dict:
         tok = ByteTokenizer()
         raw = hcw_hybrid_dict(hidden=self.hidden, vocab=tok.vocab_size, max_positions=65536, layer_types=self.layers,
@@ -53,6 +62,14 @@ class TrainConfig:
         raw["eos_token_ids"] = list(tok.eos_ids)
         raw["hcw_tokenizer"] = "byte"
         return raw
+
+
+def _losses(logits: torch.Tensor, target: torch.Tensor, answer: torch.Tensor, pad: int):
+    """(mean loss over answer tokens, mean loss over every other non-pad token)."""
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                reduction="none").view_as(target)
+    text = (target != pad) & ~answer
+    return per_token[answer].mean(), per_token[text].mean()
 
 
 def train(cfg: TrainConfig, out: Path, progress=print) -> tuple[dict, HybridModel]:
@@ -67,6 +84,7 @@ def train(cfg: TrainConfig, out: Path, progress=print) -> tuple[dict, HybridMode
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     out.mkdir(parents=True, exist_ok=True)
+    pad = ByteTokenizer().specials["<|pad|>"]
     log_path = out / "training_log.jsonl"
     log = log_path.open("w")
     t0 = time.perf_counter()
@@ -81,22 +99,24 @@ def train(cfg: TrainConfig, out: Path, progress=print) -> tuple[dict, HybridMode
             lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(expected, 1))))
         for group in opt.param_groups:
             group["lr"] = lr
-        ids, mask = batch(rng, cfg.batch_size, cfg.seq_len)
+        progress_frac = max(step / cfg.steps, (time.perf_counter() - t0) / budget)
+        seq_len, batch_size = cfg.phase(progress_frac)
+        ids, mask = batch(rng, batch_size, seq_len, max_questions=cfg.max_questions)
         logits = model(ids[:, :-1])
-        target = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100)
+        answer_loss, text_loss = _losses(logits, ids[:, 1:], mask[:, 1:], pad)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (answer_loss + cfg.text_weight * text_loss).backward()
+        loss = answer_loss
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         history.append(loss.item())
         if step % cfg.log_every == 0 or step == 1:
             entry = {"step": step, "loss": sum(history[-cfg.log_every:]) / len(history[-cfg.log_every:]), "lr": lr,
-                     "elapsed_s": time.perf_counter() - t0}
+                     "seq_len": seq_len, "elapsed_s": time.perf_counter() - t0}
             log.write(json.dumps(entry) + "\n")
             log.flush()
-            progress(f"step {step}  loss {entry['loss']:.4f}  lr {lr:.2e}  {entry['elapsed_s']:.0f}s")
+            progress(f"step {step}  loss {entry['loss']:.4f}  lr {lr:.2e}  len {seq_len}  {entry['elapsed_s']:.0f}s")
     log.close()
     save_model(model, raw, out)
     summary = {"steps": step, "params": params, "final_loss": sum(history[-20:]) / max(1, len(history[-20:])),
