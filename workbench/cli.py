@@ -95,6 +95,36 @@ def inspect_db(
         raise typer.Exit(1)
 
 
+@app.command()
+def chat(
+    model: str = typer.Option("hcw-tiny", "--model", help="model folder, or a built-in model's name"),
+    db: Path | None = typer.Option(None, "--db", help="workbench database (default: $HCW_HOME/hcw.db)"),
+    session: str | None = typer.Option(None, "--session", help="resume a stored conversation (id or prefix)"),
+    reuse: str = typer.Option("exact", "--reuse", help="exact (default: only provably exact reuse) | off"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    sample: bool = typer.Option(False, "--sample", help="temperature/top-p sampling instead of greedy"),
+    plain: bool = typer.Option(False, "--plain", help="line-based REPL (also used when stdin is not a terminal)"),
+    as_json: bool = typer.Option(False, "--json", help="plain mode: one JSON object per answer or command"),
+) -> None:
+    """Chat with a model: the Textual workbench on a terminal, a line-based REPL otherwise."""
+    from engine.config import ConfigError
+    from workbench.session import ChatOptions, ChatSession
+
+    try:
+        opts = ChatOptions(model=model, db=db, session=session, reuse=reuse, max_new_tokens=max_new_tokens,
+                           greedy=not sample)
+        chat_session = ChatSession(opts)
+    except (ConfigError, ValueError, KeyError) as e:
+        _fail(e.args[0] if e.args else str(e))
+    if plain or as_json or not sys.stdin.isatty():
+        from workbench.plain import run_plain
+
+        raise typer.Exit(run_plain(chat_session, sys.stdin, sys.stdout, as_json))
+    from workbench.tui.app import ChatApp
+
+    ChatApp(chat_session).run()
+
+
 @app.command("train-tiny")
 def train_tiny(
     out: Path = typer.Option(..., "--out", help="folder for the weights, config and loss log"),

@@ -208,21 +208,24 @@ class PrefixCache:
             abandoned.append(why)
             self.metrics.replans += 1
         else:
-            plan = self.validator.plan(len(tokens), match._replace(segments=[]), self.table)
-            state = self.model.new_state()
+            plan, state = self._cold_plan(tokens, match), self.model.new_state()
             abandoned.append("gave up reuse after repeated re-plans")
         ticket = self.admission.admit(plan)
         if ticket is None:
             abandoned.append(f"rule 1: admission cap ({len(self.admission.pending)} recoveries pending, "
                              f"budget {self.admission.recovery_budget_tokens} tokens); recomputing instead")
-            match = self.index.match(tokens)
-            plan = self.validator.plan(len(tokens), match._replace(segments=[]), self.table)
-            state = self.model.new_state()
+            plan, state = self._cold_plan(tokens, self.index.match(tokens)), self.model.new_state()
             ticket = self.admission.admit(plan)
         event = CacheLookup(step, plan, "; ".join(abandoned))
         self.events.append(event)
         self.metrics.record(event)
         return plan, state, ticket
+
+    def _cold_plan(self, tokens: Sequence[int], match) -> ReusePlan:
+        """A plan that reuses nothing although `match` was a hit: it counts as degraded."""
+        plan = self.validator.plan(len(tokens), match._replace(segments=[]), self.table)
+        return replace(plan, granular_tokens=min(len(match.segments), (len(tokens) - 1) // self.block_size)
+                       * self.block_size)
 
     def _restore(self, plan: ReusePlan) -> tuple[ModelState | None, str]:
         """Assemble the plan's prefix. Returns (None, reason) when the plan went stale (a record

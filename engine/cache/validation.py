@@ -52,16 +52,20 @@ class ReusePlan:
     objects: tuple[ObjectPlan, ...]
     failures: tuple[str, ...]  # validation layer failures, each "layer N: reason"
     exact: bool = True
+    granular_tokens: int = 0  # the most any plan could reuse: whole matched segments, one token left to compute
+    notes: tuple[str, ...] = ()  # what is not a failure but explains the numbers (a partial last segment)
 
     @property
     def degraded(self) -> bool:
-        """A logical hit that could not be used in full."""
-        return self.usable_tokens < self.logical_tokens
+        """A logical hit that could not be used in full: validation gave up tokens that whole
+        matched segments held (a match ending inside a segment is granularity, not degradation)."""
+        return self.usable_tokens < self.granular_tokens
 
     def summary(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens, "logical_tokens": self.logical_tokens,
             "usable_tokens": self.usable_tokens, "exact": self.exact, "degraded": self.degraded,
+            "granular_tokens": self.granular_tokens, "notes": list(self.notes),
             "objects": [{"kind": o.kind, "action": o.action.value, "tokens": list(o.tokens), "layers": list(o.layers),
                          "path": o.path, "reason": o.reason} for o in self.objects],
             "failures": list(self.failures),
@@ -84,11 +88,12 @@ class Validator:
     def plan(self, prompt_len: int, match: MatchResult, table: StateTable) -> ReusePlan:
         b = self.block_size
         failures: list[str] = []
+        notes: list[str] = []
         # reuse must leave at least one prompt token to compute: its logits start the answer
         n = n_asked = min(len(match.segments), (prompt_len - 1) // b)
         if match.logical_tokens > n * b:
-            failures.append(f"layer 1: tokens [{n * b}, {match.logical_tokens}) match only part of a segment; "
-                            "recomputed")
+            notes.append(f"tokens [{n * b}, {match.logical_tokens}) match only part of a segment (or the prompt's "
+                         "last token); recomputed")
         if match.collisions:
             failures.append(f"layer 1: {match.collisions} hash hit(s) rejected by token comparison")
 
@@ -144,7 +149,7 @@ class Validator:
                                          tuple(sorted({r.layer for r in self.requirements}))))
         objects.append(ObjectPlan("all", Action.RECOMPUTE, (k * b, prompt_len), (), "prefill"))
         return ReusePlan(prompt_len, match.logical_tokens, n * b, k * b, tuple(r.key for r in records[:k]),
-                         tuple(objects), tuple(failures))
+                         tuple(objects), tuple(failures), granular_tokens=n_asked * b, notes=tuple(notes))
 
 
 def check_buffer(t: torch.Tensor, like: torch.Tensor, device: torch.device) -> str | None:

@@ -29,11 +29,25 @@ class WeightsError(ValueError):
     """The weights in a folder do not match its config."""
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | None = None) -> HybridModel:
-    """Build the model described by `path/config.json` and load its safetensors weights."""
+# models shipped inside the package (package data), loadable by name
+BUILTIN_MODELS = {"hcw-tiny": Path(__file__).resolve().parent.parent / "models" / "hcw-tiny"}
+
+
+def resolve_model(path: str | Path) -> Path:
+    """A model folder, or the folder of a built-in model named `path` (a folder of that name wins)."""
     folder = Path(path)
+    if not folder.is_dir() and str(path) in BUILTIN_MODELS:
+        folder = BUILTIN_MODELS[str(path)]
     if not folder.is_dir():
-        raise ConfigError(f"model folder {folder} does not exist")
+        names = ", ".join(BUILTIN_MODELS)
+        raise ConfigError(f"model folder {folder} does not exist (built-in models: {names})")
+    return folder
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | None = None) -> HybridModel:
+    """Build the model described by `path/config.json` (or a built-in model's name, e.g.
+    "hcw-tiny") and load its safetensors weights."""
+    folder = resolve_model(path)
     cfg = ModelConfig.from_folder(folder)
     dtype = parse_dtype(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,129 @@
+"""The chat session (shared by the TUI, the plain REPL and replay): turns reuse the cache exactly,
+branches keep history, a restart resumes from disk, faults are caught, the REPL's commands work."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.model.random_init import hcw_hybrid_dict, write_random_model
+from workbench.cli import app
+from workbench.plain import run_plain
+from workbench.session import ChatOptions, ChatSession
+
+FACT = "The code for Mira is 4821. " + "Filler words go here and there. " * 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("mixed"), hcw_hybrid_dict(hidden=64), seed=3)
+
+
+def _session(model_dir, db, **kw) -> ChatSession:
+    return ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw))
+
+
+def _cold_answers(model_dir, tmp_path, turns):
+    ref = _session(model_dir, tmp_path / "ref.db", reuse="off")
+    return [ref.send(t).text for t in turns]
+
+
+def test_second_turn_reuses_the_first_and_answers_exactly_as_without_cache(model_dir, tmp_path):
+    turns = [FACT, "What is the code for Mira?"]
+    s = _session(model_dir, tmp_path / "a.db")
+    results = [s.send(t) for t in turns]
+    assert results[0].lookup.outcome == "miss"
+    assert results[1].lookup.outcome == "hit" and results[1].cached_tokens >= 16
+    assert [r.text for r in results] == _cold_answers(model_dir, tmp_path, turns)
+    path = s.path()
+    assert [m.role for m in path] == ["system", "user", "assistant", "user", "assistant"]
+    assert path[-1].content == results[1].text and results[1].saved_segments > 0
+    assert s.stats.as_dict()["hit_rate"] == 0.5
+
+
+def test_an_edit_branches_keeps_the_old_branch_and_reuses_the_shared_prefix(model_dir, tmp_path):
+    s = _session(model_dir, tmp_path / "b.db")
+    s.send(FACT)
+    s.send("What is the code for Mira?")
+    main = s.thread
+    s.edit(3, "What is the code for Mira? Answer briefly.")
+    r = s.regenerate()
+    assert s.thread.id != main.id
+    assert r.lookup.outcome == "hit" and r.cached_tokens >= 16  # the system turn and the fact are shared
+    old = s.store.path(main.id)
+    assert old[3].content == "What is the code for Mira?" and len(old) == 5
+    assert s.path()[3].content.endswith("Answer briefly.") and s.path()[:3] == old[:3]
+    assert r.text == _cold_answers(model_dir, tmp_path, [FACT, "What is the code for Mira? Answer briefly."])[1]
+    s.switch("main")
+    assert s.thread.id == main.id
+
+
+def test_a_restart_resumes_the_conversation_from_disk_exactly(model_dir, tmp_path):
+    db = tmp_path / "c.db"
+    first = _session(model_dir, db)
+    first.send(FACT)
+    conversation = first.conversation.id
+    first.close()
+    again = _session(model_dir, db, session=conversation[:6])  # a prefix is enough
+    assert [m.role for m in again.path()] == ["system", "user", "assistant"]
+    r = again.send("What is the code for Mira?")
+    assert r.lookup.outcome == "hit" and again.cache.metrics.lower_fetches > 0
+    assert r.text == _cold_answers(model_dir, tmp_path, [FACT, "What is the code for Mira?"])[1]
+
+
+def test_a_fault_is_caught_by_the_validator_and_the_answer_stays_exact(model_dir, tmp_path):
+    s = _session(model_dir, tmp_path / "d.db")
+    s.send(FACT)
+    assert s.fault("evict-compressed") > 0
+    r = s.send("What is the code for Mira?")
+    assert r.lookup.outcome == "degraded" or any(o.action.value == "recover" for o in r.lookup.plan.objects)
+    assert r.text == _cold_answers(model_dir, tmp_path, [FACT, "What is the code for Mira?"])[1]
+    with pytest.raises(KeyError, match="unknown fault"):
+        s.fault("no-such-fault")
+
+
+def test_cancel_keeps_the_partial_answer(model_dir, tmp_path):
+    s = _session(model_dir, tmp_path / "e.db")
+    asked = []
+    r = s.send(FACT, should_stop=lambda: asked.append(1) or len(asked) >= 2)  # asked once per token
+    assert r.stop_reason == "cancelled" and len(r.token_ids) == 2
+    assert s.path()[-1].role == "assistant" and s.path()[-1].content == r.text
+
+
+def test_segments_show_per_state_presence(model_dir, tmp_path):
+    s = _session(model_dir, tmp_path / "f.db")
+    s.send(FACT)
+    rows = s.segments()
+    assert rows and all(r.presence["kv"] and r.presence["compressed"] for r in rows)
+    assert rows[-1].presence["gdn"]  # a checkpoint at the request end (checkpoint_every=1: everywhere)
+    assert all(r.on_disk for r in rows)  # saved at the end of the turn
+
+
+def test_plain_repl_commands_and_json(model_dir, tmp_path):
+    s = _session(model_dir, tmp_path / "g.db")
+    out = io.StringIO()
+    lines = [FACT, "/plan", "/segments", "/branch side", "/branches", "/nonsense", "/fork 99",
+             "/fault evict-compressed", "What is the code for Mira?", "/stats", "/quit", "never read"]
+    assert run_plain(s, lines, out, as_json=True) == 0
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    types = [r["type"] for r in records]
+    assert types == ["turn", "plan", "segments", "branch", "branches", "error", "error", "fault", "turn", "stats"]
+    assert records[3]["branch"] == "side" and sum(b["current"] for b in records[4]["items"]) == 1
+    assert "unknown command" in records[5]["error"] and "no message 99" in records[6]["error"]
+    assert records[8]["outcome"] in ("hit", "degraded") and records[8]["plan"]["usable_tokens"] >= 0
+    assert records[9]["turns"] == 2
+
+
+def test_hcw_chat_plain_through_the_cli(model_dir, tmp_path):
+    db = tmp_path / "h.db"
+    res = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--db", str(db), "--plain",
+                                   "--max-new-tokens", "4"], input=f"{FACT}\n/history\n")
+    assert res.exit_code == 0, res.output
+    assert "[miss" in res.stdout and "0 system" in res.stdout and "2 assistant" in res.stdout
+    res = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--db", str(db), "--reuse", "sometimes"])
+    assert res.exit_code == 2 and "--reuse must be one of" in res.stderr
+    res = CliRunner().invoke(app, ["chat", "--model", str(tmp_path / "nope"), "--db", str(db)])
+    assert res.exit_code == 2 and "does not exist" in res.stderr

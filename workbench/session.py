@@ -1,0 +1,303 @@
+"""ChatSession: one conversation on one model, the glue the TUI, the plain REPL and `hcw replay`
+share. Text -> chat template over the thread's path -> Engine (PrefixCache + DiskTier) -> the
+answer appended to the message tree; the cache's segments are saved to disk at the end of every
+turn, so a killed process loses nothing already answered.
+
+The workbench file holds both the conversation tree (store.conversations) and the cached
+segments (store.tier): `--db` picks it, default under $HCW_HOME.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from engine import load_model
+from engine.model.loader import resolve_model
+from engine.cache.faults import DRILLS
+from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.engine import Engine, Generation, SamplingParams
+from engine.events import CacheLookup
+from engine.tokenizer import StreamDecoder, load_tokenizer
+from store.conversations import Conversations, Message, Thread
+from store.tier import DiskTier
+
+REUSE_POLICIES = ("exact", "off")
+# the presence columns of the segment state table: column -> the state kinds it stands for
+PRESENCE = {"kv": ("kv",), "compressed": ("compressed",), "tail": ("tail", "overlap"), "window": ("window",),
+            "indexer": ("index_keys", "index_tail", "index_overlap"), "gdn": ("recurrent", "conv")}
+
+
+class Cancelled(Exception):
+    """Raised from the token callback to stop a generation (Esc in the TUI)."""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    model: str | Path = "hcw-tiny"
+    db: Path | None = None
+    session: str | None = None  # a conversation id (or unique prefix) to resume
+    reuse: str = "exact"
+    max_new_tokens: int = 256
+    greedy: bool = True
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int | None = 0
+    block_size: int = 64
+    checkpoint_every: int = 4
+    device_budget_mb: int = 1024
+    system: str | None = "You are a helpful assistant. Remember what the user tells you."
+
+    def __post_init__(self) -> None:
+        if self.reuse not in REUSE_POLICIES:
+            raise ValueError(f"--reuse must be one of {', '.join(REUSE_POLICIES)}, got {self.reuse!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class SegmentRow:
+    """One row of the segment state table."""
+
+    index: int
+    tokens: tuple[int, int]
+    tier: str  # device | host | disk | gone
+    presence: dict[str, bool]  # PRESENCE column -> this segment holds that state (for some layer)
+    on_disk: bool
+    exact: bool
+    last_access: int
+
+
+@dataclass
+class TurnResult:
+    text: str
+    token_ids: list[int]
+    stop_reason: str  # length | stop | context | cancelled
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    tokens_per_s: float
+    lookup: CacheLookup | None
+    message: Message | None  # the assistant message appended to the tree
+    saved_segments: int = 0
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "stop_reason": self.stop_reason, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "ttft_ms": self.ttft_ms, "tokens_per_s": self.tokens_per_s,
+                "outcome": self.lookup.outcome if self.lookup else "off",
+                "plan": self.lookup.plan.summary() if self.lookup else None,
+                "reasons": list(self.lookup.reasons) if self.lookup else [],
+                "message": self.message.id if self.message else None, "saved_segments": self.saved_segments}
+
+
+@dataclass
+class SessionStats:
+    turns: int = 0
+    hits: int = 0
+    degraded: int = 0
+    misses: int = 0
+    last_ttft_ms: float = 0.0
+    last_tokens_per_s: float = 0.0
+    history: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        looked = self.hits + self.degraded + self.misses
+        return {"turns": self.turns, "hits": self.hits, "degraded": self.degraded, "misses": self.misses,
+                "hit_rate": (self.hits + self.degraded) / looked if looked else 0.0,
+                "degraded_rate": self.degraded / looked if looked else 0.0,
+                "ttft_ms": self.last_ttft_ms, "tokens_per_s": self.last_tokens_per_s,
+                "rss_mb": psutil.Process().memory_info().rss / 2**20,
+                "device_mb": torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0}
+
+
+class ChatSession:
+    def __init__(self, opts: ChatOptions, model=None):
+        self.opts = opts
+        self.model = model if model is not None else load_model(opts.model)
+        self.tok = load_tokenizer(resolve_model(opts.model), self.model.config.extra)
+        if self.tok is None:
+            raise ValueError(f"{opts.model} has no tokenizer; hcw chat needs one")
+        cfg = CacheConfig(block_size=opts.block_size, checkpoint_every=opts.checkpoint_every,
+                          budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse)
+        self.tier = DiskTier(opts.db, layout_fingerprint(self.model, cfg))
+        self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
+        self.engine = Engine(self.model, cache=self.cache)
+        self.store = Conversations(self.tier.db)
+        self.stats = SessionStats()
+        self.events: list[str] = []  # human-readable log lines (faults, saves, switches)
+        if opts.session:
+            self.resume(opts.session)
+        else:
+            self.conversation, self.thread = self.store.create(model=self.tier.layout, system=opts.system)
+
+    # ---- the conversation ----------------------------------------------------------------
+    def path(self) -> list[Message]:
+        return self.store.path(self.thread.id)
+
+    def prompt_ids(self, messages: list[Message]) -> list[int]:
+        return self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                            add_generation_prompt=True)
+
+    def send(self, text: str, on_text: Callable[[str], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> TurnResult:
+        """A user turn: appended to the thread, answered (streamed through `on_text`), the answer
+        appended and the cache saved."""
+        if not text.strip():
+            raise ValueError("an empty message")
+        self.store.append(self.thread.id, "user", text, tokens=len(self.tok.encode(text)))
+        return self._answer(on_text, should_stop)
+
+    def regenerate(self, on_text=None, should_stop=None) -> TurnResult:
+        """Answer the thread's last user message again (after an edit or a switch)."""
+        path = self.path()
+        if not path or path[-1].role != "user":
+            raise ValueError("the thread does not end with a user message")
+        return self._answer(on_text, should_stop)
+
+    def _answer(self, on_text, should_stop) -> TurnResult:
+        ids = self.prompt_ids(self.path())
+        decoder = StreamDecoder(self.tok)
+        out: list[int] = []
+
+        def on_token(token: int) -> None:
+            out.append(token)
+            delta = decoder.push(token)
+            if on_text is not None and delta:
+                on_text(delta)
+            if should_stop is not None and should_stop():
+                raise Cancelled
+
+        params = SamplingParams(max_new_tokens=self.opts.max_new_tokens, greedy=self.opts.greedy,
+                                temperature=self.opts.temperature, top_p=self.opts.top_p, seed=self.opts.seed,
+                                stop_ids=self.tok.eos_ids)
+        before = len(self.cache.events) if self.cache is not None else 0
+        saved_before = self.tier.saved
+        t0 = time.perf_counter()
+        stop_reason = "cancelled"
+        gen: Generation | None = None
+        try:
+            gen = self.engine.generate(ids, params, on_token=on_token)
+            stop_reason = gen.stop_reason
+        except Cancelled:
+            pass
+        wall_ms = 1000 * (time.perf_counter() - t0)
+        lookup = self.cache.events[-1] if self.cache is not None and len(self.cache.events) > before else None
+        answer_ids = [t for t in out if t not in self.tok.eos_ids]
+        text = self.tok.decode(answer_ids)
+        ttft = gen.timings.prompt_ms if gen else wall_ms
+        tps = gen.timings.as_dict()["predicted_per_second"] if gen else 0.0
+        meta = {"stop_reason": stop_reason, "prompt_tokens": len(ids), "ttft_ms": round(ttft, 2),
+                "tokens_per_s": round(tps, 2), "outcome": lookup.outcome if lookup else "off",
+                "cached_tokens": lookup.plan.usable_tokens if lookup else 0}
+        message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta)
+        self.save()  # the engine saves at the request's end; this catches a cancelled one too
+        saved = self.tier.saved - saved_before
+        self._count(lookup, ttft, tps)
+        return TurnResult(text, answer_ids, stop_reason, len(ids), meta["cached_tokens"], ttft, tps, lookup, message,
+                          saved)
+
+    def _count(self, lookup: CacheLookup | None, ttft: float, tps: float) -> None:
+        s = self.stats
+        s.turns += 1
+        s.last_ttft_ms, s.last_tokens_per_s = ttft, tps
+        if lookup is not None:
+            outcome = lookup.outcome
+            if outcome == "hit":
+                s.hits += 1
+            elif outcome == "degraded":
+                s.degraded += 1
+            else:
+                s.misses += 1
+
+    def save(self) -> int:
+        """Write every segment the disk lacks; returns how many were written."""
+        n = self.cache.save() if self.cache is not None else 0
+        if n:
+            self.events.append(f"saved {n} segment(s) to {self.tier.path.name}")
+        return n
+
+    # ---- branches ------------------------------------------------------------------------
+    def edit(self, index: int, text: str) -> Thread:
+        """Replace message `index` of the current path (a user turn) on a new branch, which becomes
+        current; the old branch keeps its history. Answer it with `regenerate`."""
+        path = self.path()
+        if not 0 <= index < len(path):
+            raise IndexError(f"no message {index}; the thread has {len(path)}")
+        if path[index].role != "user":
+            raise ValueError(f"message {index} is a {path[index].role} message; only user turns are edited")
+        self.thread, _ = self.store.edit(self.thread.id, path[index].id, text)
+        self.events.append(f"edited message {index} on new branch {self.thread.name}")
+        return self.thread
+
+    def fork(self, index: int | None = None, name: str | None = None) -> Thread:
+        """A new branch from message `index` of the current path (default: its tip); it becomes current."""
+        path = self.path()
+        index = len(path) - 1 if index is None else index
+        if not 0 <= index < len(path):
+            raise IndexError(f"no message {index}; the thread has {len(path)}")
+        self.thread = self.store.fork(path[index].id, name)
+        self.events.append(f"forked branch {self.thread.name} at message {index}")
+        return self.thread
+
+    def switch(self, thread: str) -> Thread:
+        """Make another branch (id, id prefix or name) of this conversation current."""
+        threads = self.store.threads(self.conversation.id)
+        named = [t for t in threads if t.name == thread or t.id.startswith(thread)]
+        if len(named) != 1:
+            known = ", ".join(f"{t.name} ({t.id})" for t in threads)
+            raise KeyError(f"{'no' if not named else 'more than one'} branch {thread!r}; branches: {known}")
+        self.thread = named[0]
+        self.events.append(f"switched to branch {self.thread.name}")
+        return self.thread
+
+    def resume(self, conversation: str) -> None:
+        """Continue a stored conversation (id or unique prefix) on its most recently updated branch."""
+        self.conversation = self.store.conversation(self.store.resolve("conversation", conversation))
+        threads = sorted(self.store.threads(self.conversation.id), key=lambda t: t.updated, reverse=True)
+        self.thread = threads[0]
+        self.events.append(f"resumed {self.conversation.id} on branch {self.thread.name}")
+
+    # ---- faults and views ------------------------------------------------------------------
+    def fault(self, name: str) -> int:
+        """Damage the cached state of the current conversation on purpose (a fault drill), so the
+        next turn shows the validator catching it; returns how many pieces were damaged."""
+        name = name.replace("-", "_")
+        if name not in DRILLS:
+            raise KeyError(f"unknown fault {name!r}; faults: {', '.join(d.replace('_', '-') for d in DRILLS)}")
+        if self.cache is None:
+            raise ValueError("the cache is off (--reuse off): there is nothing to damage")
+        if name in ("fail_lower_read", "delay_lower_read"):
+            raise ValueError(f"{name.replace('_', '-')} needs the in-memory test tier; run `hcw drill` for it")
+        ids = self.prompt_ids(self.path())
+        records = [r for r in (self.cache.table.get(n.key) for n in self.cache.index.match(ids).segments) if r]
+        if not records:
+            raise ValueError("nothing of this conversation is cached yet: send a message first")
+        damaged = DRILLS[name](self.cache, records)
+        self.events.append(f"fault {name.replace('_', '-')}: {damaged} piece(s) damaged")
+        return damaged
+
+    def segments(self) -> list[SegmentRow]:
+        """The segment state table for the current thread's tokens."""
+        if self.cache is None:
+            return []
+        ids = self.prompt_ids(self.path())
+        b = self.cache.block_size
+        rows = []
+        for node in self.cache.index.match(ids).segments:
+            rec = self.cache.table.get(node.key)
+            kinds = {k for _, k in rec.pieces} if rec else set()
+            on_disk = node.key in self.cache.persisted or self.tier.has(node.key)
+            tier = rec.tier if rec else ("disk" if on_disk else "gone")
+            rows.append(SegmentRow(node.index, (node.index * b, (node.index + 1) * b), tier,
+                                   {col: bool(kinds & set(ks)) for col, ks in PRESENCE.items()}, on_disk, True,
+                                   rec.last_access_step if rec else -1))
+        return rows
+
+    def close(self) -> None:
+        self.save()
+        self.tier.close()
