@@ -16,6 +16,7 @@ One file per workbench home. Tables:
 from __future__ import annotations
 
 import os
+import sqlite3
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -71,7 +72,9 @@ def open_db(path: str | Path | None = None, timeout_s: float = 5.0) -> sqlite_ut
     """Open (creating and migrating) the workbench database."""
     path = Path(path) if path is not None else default_home() / "hcw.db"
     path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite_utils.Database(path)
+    # the workbench answers in a worker thread; calls are serialized by the caller, and SQLite
+    # itself is built thread-safe, so the connection may move between threads
+    db = sqlite_utils.Database(sqlite3.connect(path, check_same_thread=False))
     db.execute("PRAGMA journal_mode=WAL")
     db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
     db.execute("PRAGMA foreign_keys=ON")

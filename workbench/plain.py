@@ -55,10 +55,11 @@ def describe_plan(r: TurnResult | None) -> list[str]:
                                            if failed else "pass"))
     other = [f for f in r.lookup.reasons if not f.startswith("layer ")]
     lines += [f"note: {f}" for f in other]
+    lines += [f"note: {n}" for n in plan.notes]
     for o in plan.objects:
-        layers = f"layers {list(o.layers)}" if o.layers else ""
-        lines.append(f"  {o.kind:<14} {o.action.value:<9} tokens {list(o.tokens)} {layers} "
-                     f"{o.path or ''} {o.reason or ''}".rstrip())
+        kind = f"{len(o.kind.split(','))} state kinds" if "," in o.kind else o.kind
+        where = f"tokens [{o.tokens[0]}, {o.tokens[1]})" + (f" layers {list(o.layers)}" if o.layers else "")
+        lines.append(f"  {o.action.value:<9} {kind:<14} {where} {o.path or ''} {o.reason or ''}".rstrip())
     return lines
 
 

@@ -1,0 +1,91 @@
+"""The Textual workbench driven through Textual's pilot: a turn streams into the conversation and
+updates the segment table, the validation panel, the reuse gauges and the stats; faults, branches
+and cancel work from the prompt; quitting keeps every answered turn."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.model.random_init import hcw_hybrid_dict, write_random_model
+from workbench.session import ChatOptions, ChatSession
+from workbench.tui.app import ChatApp
+from workbench.tui.branches import BranchTree
+from workbench.tui.conversation import MessageView
+from workbench.tui.segments import SegmentTable
+from workbench.tui.stats import StatsBar
+from workbench.tui.validation import ValidationPanel
+
+FACT = "The code for Mira is 4821. " + "Filler words go here and there. " * 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("mixed"), hcw_hybrid_dict(hidden=64), seed=3)
+
+
+def _app(model_dir, db, **kw) -> ChatApp:
+    opts = ChatOptions(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw)
+    return ChatApp(ChatSession(opts))
+
+
+async def _say(app: ChatApp, pilot, text: str) -> None:
+    app.query_one("#prompt").value = text
+    await pilot.press("enter")
+    await pilot.pause()
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+def _text(widget) -> str:
+    return str(widget.render())
+
+
+def test_turns_update_every_pane(model_dir, tmp_path):
+    async def scenario():
+        app = _app(model_dir, tmp_path / "a.db")
+        async with app.run_test(size=(160, 50)) as pilot:
+            await _say(app, pilot, FACT)
+            views = list(app.query(MessageView))
+            assert [v.has_class(r) for v, r in zip(views, ("system", "user", "assistant"))] == [True] * 3
+            assert "outcome: miss" in _text(app.query_one(ValidationPanel))
+            assert app.query_one(SegmentTable).row_count == len(app.session.segments()) > 0
+            await _say(app, pilot, "What is the code for Mira?")
+            panel = _text(app.query_one(ValidationPanel))
+            assert "outcome: hit" in panel and "layer 3: pass" in panel
+            assert "turns 2 · hit rate 50%" in _text(app.query_one(StatsBar))
+            assert len(app.query(MessageView)) == 5
+            assert app.query(MessageView)[-1].source == app.session.path()[-1].content
+
+            await _say(app, pilot, "/fault evict-compressed")
+            await _say(app, pilot, "And again?")
+            panel = _text(app.query_one(ValidationPanel))
+            assert "FAIL" in panel and "compressed" in panel
+
+            await _say(app, pilot, "/branch side")
+            assert app.session.thread.name == "side"
+            labels = [str(n.label) for n in app.query_one(BranchTree).root.children[0].children]
+            assert labels  # the system message has children in the tree
+    asyncio.run(scenario())
+
+
+def test_escape_cancels_and_quit_keeps_answered_turns(model_dir, tmp_path):
+    db = tmp_path / "b.db"
+
+    async def scenario():
+        app = _app(model_dir, db, )
+        app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=200)
+        async with app.run_test(size=(160, 50)) as pilot:
+            await _say(app, pilot, FACT)
+            app.run_command("Tell me more.")
+            app.action_cancel()
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert app.last.stop_reason == "cancelled" and len(app.last.token_ids) < 200
+            await pilot.press("ctrl+q")
+        return app.session.conversation.id
+
+    conversation = asyncio.run(scenario())
+    again = ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, session=conversation))
+    assert [m.role for m in again.path()] == ["system", "user", "assistant", "user", "assistant"]

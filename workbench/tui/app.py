@@ -1,0 +1,184 @@
+"""`hcw chat` on a terminal: the Textual workbench over one ChatSession.
+
+Generation runs in a worker thread and streams into the conversation pane; Esc cancels it (the
+partial answer is kept). Every answered turn is already in the database when the next one starts,
+so quitting (Ctrl-Q, or Ctrl-C) never loses one. `/commands` typed in the prompt and the command
+palette (Ctrl-P) share the plain REPL's commands.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+from pathlib import Path
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.command import Hit, Hits, Provider
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Header, Input, RichLog
+
+from engine.cache.faults import DRILLS
+from workbench import plain
+from workbench.session import ChatSession, TurnResult
+from workbench.tui.branches import BranchTree
+from workbench.tui.budget import ReplayBudget
+from workbench.tui.conversation import ConversationView
+from workbench.tui.segments import SegmentTable
+from workbench.tui.stats import StatsBar, stats_line
+from workbench.tui.validation import ValidationPanel
+
+PALETTE = [("branch from the last message", "/branch"), ("save cached segments now", "/save"),
+           ("show stats in the log", "/stats"), ("list branches in the log", "/branches")] + \
+          [(f"fault drill: {d.replace('_', '-')}", f"/fault {d.replace('_', '-')}") for d in DRILLS
+           if d not in ("fail_lower_read", "delay_lower_read")]
+
+
+class ChatCommands(Provider):
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for label, command in PALETTE:
+            score = matcher.match(label)
+            if score > 0:
+                yield Hit(score, matcher.highlight(label), partial(self.app.run_command, command), help=command)
+
+
+class ChatApp(App):
+    CSS_PATH = Path(__file__).with_name("app.tcss")
+    TITLE = "hcw chat"
+    COMMANDS = App.COMMANDS | {ChatCommands}
+    BINDINGS = [Binding("escape", "cancel", "cancel generation"), Binding("ctrl+q", "quit", "quit"),
+                Binding("ctrl+s", "save", "save"), Binding("ctrl+b", "branch", "branch")]
+
+    def __init__(self, session: ChatSession):
+        super().__init__()
+        self.session = session
+        self.cancel = threading.Event()
+        self.busy = False
+        self.last: TurnResult | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            with Vertical(id="left"):
+                yield ConversationView(id="conversation")
+                yield RichLog(id="log", markup=False, wrap=True)
+                yield Input(placeholder="message, or /help for commands", id="prompt")
+            with Vertical(id="right"):
+                yield BranchTree(id="branches")
+                yield SegmentTable(id="segments")
+                yield ValidationPanel(id="validation")
+                yield ReplayBudget(id="budget")
+        yield StatsBar(id="stats")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#conversation").border_title = "conversation"
+        self.query_one("#branches").border_title = "branches"
+        self.query_one("#segments").border_title = "segment states"
+        self.query_one("#validation").border_title = "validation"
+        self.query_one("#budget").border_title = "reuse per resume"
+        self.query_one(ValidationPanel).show(None)
+        self.refresh_views(messages=True)
+        self.set_interval(1.0, self.refresh_stats)
+        self.query_one(Input).focus()
+
+    # ---- views -------------------------------------------------------------------------
+    def refresh_views(self, messages: bool = False) -> None:
+        s = self.session
+        self.sub_title = f"{s.conversation.id} · branch {s.thread.name} · reuse {s.opts.reuse}"
+        if messages:
+            self.query_one(ConversationView).show(s.path())
+        self.query_one(BranchTree).show(s.store, s.conversation.id, s.thread)
+        self.query_one(SegmentTable).update_rows(s.segments())
+        self.refresh_stats()
+
+    def refresh_stats(self) -> None:
+        self.query_one(StatsBar).update(stats_line(self.session.stats.as_dict()))
+
+    def log_line(self, text: str) -> None:
+        self.query_one(RichLog).write(text)
+
+    # ---- input -------------------------------------------------------------------------
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        event.input.value = ""
+        if text:
+            self.run_command(text)
+
+    def run_command(self, text: str) -> None:
+        if self.busy:
+            self.log_line("still generating: Esc cancels")
+            return
+        if not text.startswith("/"):
+            self.start_turn(lambda on_text, stop: self.session.send(text, on_text, stop), user=text)
+            return
+        try:
+            quit_now = plain._command(self.session, text, self.log_line, self._answer_command, lambda: self.last,
+                                      as_json=False)
+        except (ValueError, KeyError, IndexError) as e:
+            self.log_line(f"error: {e.args[0] if e.args else e}")
+            return
+        if quit_now:
+            self.exit()
+            return
+        self.refresh_views(messages=True)
+
+    def _answer_command(self, run) -> None:
+        """plain's commands that answer (/edit) hand over a run(on_text) callable."""
+        self.start_turn(lambda on_text, stop: self.session.regenerate(on_text, stop), user=None)
+
+    def start_turn(self, run, user: str | None) -> None:
+        view = self.query_one(ConversationView)
+        n = len(self.session.path())
+        if user is not None:
+            view.add(n, "user", user)
+            n += 1
+        else:
+            view.show(self.session.path())
+        answer = view.add(n, "assistant", "")
+        self.busy = True
+        self.cancel.clear()
+        self.generate(run, answer)
+
+    @work(thread=True, exclusive=True)
+    def generate(self, run, answer) -> None:
+        try:
+            result = run(lambda delta: self.call_from_thread(answer.append, delta), self.cancel.is_set)
+        except Exception as e:  # shown to the user; the session is unchanged past the last saved turn
+            self.call_from_thread(self.turn_failed, e)
+            return
+        self.call_from_thread(self.turn_done, result)
+
+    def turn_done(self, result: TurnResult) -> None:
+        self.busy = False
+        self.last = result
+        self.query_one(ValidationPanel).show(result)
+        self.query_one(ReplayBudget).add(result)
+        self.log_line(plain.status_line(result))
+        self.refresh_views(messages=result.stop_reason == "cancelled")
+
+    def turn_failed(self, error: Exception) -> None:
+        self.busy = False
+        self.log_line(f"error: {error}")
+        self.refresh_views(messages=True)
+
+    # ---- actions -----------------------------------------------------------------------
+    def action_cancel(self) -> None:
+        if self.busy:
+            self.cancel.set()
+            self.log_line("cancelling…")
+
+    def action_save(self) -> None:
+        self.run_command("/save")
+
+    def action_branch(self) -> None:
+        self.run_command("/branch")
+
+    def on_tree_node_selected(self, event: BranchTree.NodeSelected) -> None:
+        if event.node.data and not self.busy and event.node.data != self.session.thread.id:
+            self.run_command(f"/switch {event.node.data}")
+
+    def on_unmount(self) -> None:
+        self.session.close()

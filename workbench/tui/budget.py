@@ -1,0 +1,43 @@
+"""Replay budget gauges: for each resume, how the prompt was served — reused from the cache,
+recovered (replayed from a checkpoint or recomputed for a missing state), or computed new."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from workbench.session import TurnResult
+
+WIDTH = 28
+
+
+def split(result: TurnResult) -> tuple[int, int, int]:
+    """(reused, recovered, new) prompt tokens."""
+    plan = result.lookup.plan if result.lookup else None
+    reused = plan.usable_tokens if plan else 0
+    recovered = max(0, (plan.granular_tokens if plan else 0) - reused)
+    return reused, recovered, max(0, result.prompt_tokens - reused - recovered)
+
+
+class ReplayBudget(Static):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.turns: list[TurnResult] = []
+
+    def add(self, result: TurnResult) -> None:
+        self.turns = (self.turns + [result])[-6:]
+        text = Text()
+        for i, r in enumerate(self.turns):
+            reused, recovered, new = split(r)
+            total = max(1, r.prompt_tokens)
+            bar = [int(WIDTH * x / total) for x in (reused, recovered)]
+            text.append("█" * bar[0], style="green")
+            text.append("█" * bar[1], style="yellow")
+            text.append("░" * max(0, WIDTH - sum(bar)), style="grey50")
+            label = "exact" if r.lookup is None or r.lookup.plan.exact else "approximate"
+            text.append(f" {reused}+{recovered}+{new}/{r.prompt_tokens} {label}\n")
+        text.append("reused", style="green")
+        text.append(" + ")
+        text.append("recovered", style="yellow")
+        text.append(" + new / prompt tokens")
+        self.update(text)
