@@ -72,6 +72,37 @@ def drill(
         raise typer.Exit(1)
 
 
+@app.command()
+def replay(
+    files: list[Path] = typer.Argument(..., help="scripted sessions (JSONL); see sample_sessions/"),
+    model: str | None = typer.Option(None, "--model", help="override the sessions' model (folder or name)"),
+    db: Path | None = typer.Option(None, "--db", help="run in this database (default: a temporary one each)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Run scripted chat sessions (turns, branches, edits, restarts, faults) and check their
+    expectations; exits 1 when one fails."""
+    from engine.config import ConfigError
+    from workbench.replay import ScriptError, parse, replay_file
+
+    try:
+        for f in files:
+            parse(f)  # every file is checked before anything runs
+        reports = []
+        for f in files:
+            if not as_json:
+                typer.echo(f"{f}:")
+            reports.append(replay_file(f, db, model, None if as_json else typer.echo))
+    except (ScriptError, ConfigError) as e:
+        _fail(str(e))
+    failed = sum(r["failed"] for r in reports)
+    if as_json:
+        typer.echo(json.dumps({"files": reports, "failed": failed}))
+    else:
+        typer.echo(f"{len(files)} session(s), {sum(len(r['steps']) for r in reports)} steps, {failed} failed")
+    if failed:
+        raise typer.Exit(1)
+
+
 @app.command("inspect")
 def inspect_db(
     db: Path | None = typer.Argument(None, help="database file (default: $HCW_HOME/hcw.db)"),

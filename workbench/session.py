@@ -172,9 +172,7 @@ class ChatSession:
             if should_stop is not None and should_stop():
                 raise Cancelled
 
-        params = SamplingParams(max_new_tokens=self.opts.max_new_tokens, greedy=self.opts.greedy,
-                                temperature=self.opts.temperature, top_p=self.opts.top_p, seed=self.opts.seed,
-                                stop_ids=self.tok.eos_ids)
+        params = self.sampling()
         before = len(self.cache.events) if self.cache is not None else 0
         saved_before = self.tier.saved
         t0 = time.perf_counter()
@@ -200,6 +198,20 @@ class ChatSession:
         self._count(lookup, ttft, tps)
         return TurnResult(text, answer_ids, stop_reason, len(ids), meta["cached_tokens"], ttft, tps, lookup, message,
                           saved)
+
+    def sampling(self) -> SamplingParams:
+        o = self.opts
+        return SamplingParams(max_new_tokens=o.max_new_tokens, greedy=o.greedy, temperature=o.temperature,
+                              top_p=o.top_p, seed=o.seed, stop_ids=self.tok.eos_ids)
+
+    def cold_answer(self) -> str:
+        """The thread's last answer computed again by a fresh engine with no cache: the oracle a
+        reused answer must equal."""
+        path = self.path()
+        if not path or path[-1].role != "assistant":
+            raise ValueError("the thread does not end with an answer")
+        gen = Engine(self.model).generate(self.prompt_ids(path[:-1]), self.sampling())
+        return self.tok.decode([t for t in gen.token_ids if t not in self.tok.eos_ids])
 
     def _count(self, lookup: CacheLookup | None, ttft: float, tps: float) -> None:
         s = self.stats
