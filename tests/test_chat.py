@@ -85,6 +85,18 @@ def test_a_fault_is_caught_by_the_validator_and_the_answer_stays_exact(model_dir
         s.fault("no-such-fault")
 
 
+@pytest.mark.parametrize("fault, reason", [("disk-read-error", "io"), ("disk-corrupt-blob", "checksum")])
+def test_disk_faults_become_a_counted_miss_and_the_answer_stays_exact(model_dir, tmp_path, fault, reason):
+    s = _session(model_dir, tmp_path / "dk.db")
+    s.send(FACT)
+    assert s.fault(fault) == 1
+    r = s.send("What is the code for Mira?")
+    assert r.lookup.outcome in ("degraded", "recomputed")
+    assert any("lower tier" in x and reason in x for x in r.lookup.reasons), r.lookup.reasons
+    assert r.text == _cold_answers(model_dir, tmp_path, [FACT, "What is the code for Mira?"])[1]
+    assert s.tier.failures.get(reason) == 1
+
+
 def test_cancel_keeps_the_partial_answer(model_dir, tmp_path):
     s = _session(model_dir, tmp_path / "e.db")
     asked = []

@@ -12,7 +12,7 @@ import shlex
 from collections.abc import Callable
 from typing import TextIO
 
-from workbench.session import ChatSession, TurnResult
+from workbench.session import ChatSession, TurnResult, fault_names
 
 HELP = """commands:
   /help                      this list
@@ -170,9 +170,7 @@ def _command(session: ChatSession, line: str, say, answer, last, as_json: bool) 
         emit("fault", {"fault": args[0], "damaged": n}, [f"fault {args[0]}: {n} piece(s) damaged; "
                                                          "the next turn's /plan shows what the validator did"])
     elif cmd == "faults":
-        from engine.cache.faults import DRILLS
-
-        names = [d.replace("_", "-") for d in DRILLS]
+        names = fault_names()
         emit("faults", names, names)
     elif cmd == "save":
         n = session.save()

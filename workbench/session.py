@@ -33,6 +33,53 @@ PRESENCE = {"kv": ("kv",), "compressed": ("compressed",), "tail": ("tail", "over
             "indexer": ("index_keys", "index_tail", "index_overlap"), "gdn": ("recurrent", "conv")}
 
 
+def _disk_read_error(session: "ChatSession", records) -> int:
+    """The next disk read fails with an I/O error (once); memory is emptied so the turn must read."""
+    session.save()
+    _forget_memory(session)
+
+    def fail_once(key: str) -> None:
+        session.tier.read_hook = None
+        raise OSError(5, "injected read error (EIO)")
+    session.tier.read_hook = fail_once
+    return 1
+
+
+def _disk_corrupt_blob(session: "ChatSession", records) -> int:
+    """One stored blob of the middle segment gets a flipped byte; memory is emptied."""
+    session.save()
+    _forget_memory(session)
+    key = records[len(records) // 2].key.hex()
+    row = session.tier.db.execute("SELECT id, data FROM blobs WHERE segment = ? ORDER BY id LIMIT 1", [key]).fetchone()
+    if row is None:
+        return 0
+    data = bytearray(row[1])
+    data[len(data) // 2] ^= 0x40
+    with session.tier.db.conn:
+        session.tier.db.execute("UPDATE blobs SET data = ? WHERE id = ?", [bytes(data), row[0]])
+    return 1
+
+
+def _forget_memory(session: "ChatSession") -> None:
+    for key in [r.key for r in session.cache.table]:
+        session.cache.table.remove(key)
+
+
+# every drill that works on a live cache, plus the disk faults of the workbench's own tier
+def _on_cache(drill: Callable) -> Callable:
+    return lambda session, records: drill(session.cache, records)
+
+
+FAULTS: dict[str, Callable] = {name: _on_cache(drill) for name, drill in DRILLS.items()
+                               if name not in ("fail_lower_read", "delay_lower_read")}  # those need MemoryTier
+FAULTS["disk_read_error"] = _disk_read_error
+FAULTS["disk_corrupt_blob"] = _disk_corrupt_blob
+
+
+def fault_names() -> list[str]:
+    return [name.replace("_", "-") for name in FAULTS]
+
+
 class Cancelled(Exception):
     """Raised from the token callback to stop a generation (Esc in the TUI)."""
 
@@ -279,17 +326,15 @@ class ChatSession:
         """Damage the cached state of the current conversation on purpose (a fault drill), so the
         next turn shows the validator catching it; returns how many pieces were damaged."""
         name = name.replace("-", "_")
-        if name not in DRILLS:
-            raise KeyError(f"unknown fault {name!r}; faults: {', '.join(d.replace('_', '-') for d in DRILLS)}")
+        if name not in FAULTS:
+            raise KeyError(f"unknown fault {name!r}; faults: {', '.join(fault_names())}")
         if self.cache is None:
             raise ValueError("the cache is off (--reuse off): there is nothing to damage")
-        if name in ("fail_lower_read", "delay_lower_read"):
-            raise ValueError(f"{name.replace('_', '-')} needs the in-memory test tier; run `hcw drill` for it")
         ids = self.prompt_ids(self.path())
         records = [r for r in (self.cache.table.get(n.key) for n in self.cache.index.match(ids).segments) if r]
         if not records:
             raise ValueError("nothing of this conversation is cached yet: send a message first")
-        damaged = DRILLS[name](self.cache, records)
+        damaged = FAULTS[name](self, records)
         self.events.append(f"fault {name.replace('_', '-')}: {damaged} piece(s) damaged")
         return damaged
 

@@ -19,9 +19,8 @@ from textual.command import Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input, RichLog
 
-from engine.cache.faults import DRILLS
 from workbench import plain
-from workbench.session import ChatSession, TurnResult
+from workbench.session import ChatSession, TurnResult, fault_names
 from workbench.tui.branches import BranchTree
 from workbench.tui.budget import ReplayBudget
 from workbench.tui.conversation import ConversationView
@@ -31,8 +30,7 @@ from workbench.tui.validation import ValidationPanel
 
 PALETTE = [("branch from the last message", "/branch"), ("save cached segments now", "/save"),
            ("show stats in the log", "/stats"), ("list branches in the log", "/branches")] + \
-          [(f"fault drill: {d.replace('_', '-')}", f"/fault {d.replace('_', '-')}") for d in DRILLS
-           if d not in ("fail_lower_read", "delay_lower_read")]
+          [(f"fault drill: {name}", f"/fault {name}") for name in fault_names()]
 
 
 class ChatCommands(Provider):
