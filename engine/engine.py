@@ -121,6 +121,15 @@ class Engine:
         return logits[0, -1]
 
     @torch.inference_mode()
+    def replay(self, ids: Sequence[int], state: ModelState, start: int, chunk_size: int | None = None) -> None:
+        """Tail-Replay: run positions start.. (which `state` already covers for every other layer)
+        through the model so that its GDN layers, reset to zero, rebuild their states."""
+        chunk = chunk_size or self.config.prefill_chunk_size
+        tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.model.device)
+        for lo in range(0, len(tokens), chunk):
+            self.model(tokens[lo:lo + chunk], state, last_only=True, replay_from=start + lo)
+
+    @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:
         tokens = torch.tensor([[token]], dtype=torch.long, device=self.model.device)
         return self.model(tokens, state)[0, -1]
@@ -139,6 +148,10 @@ class Engine:
             started.logits = self.prefill(fed[state.seq_len:], state)
             return started
         stops = writer.next_stop
+        if plan.replay_from is not None:
+            t0 = time.perf_counter()
+            self.replay(fed[plan.replay_from:plan.usable_tokens], state, plan.replay_from)
+            self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
         recover_to = plan.matched_tokens if any(o.action.value == "recover" for o in plan.objects) else 0
         if state.seq_len < recover_to:
             # the recovery work, timed on its own: recompute what a missing state kind cost us

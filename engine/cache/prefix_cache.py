@@ -30,7 +30,7 @@ from engine.cache.recovery import GROUPS, group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
 from engine.cache.states import ModelState, Piece
-from engine.cache.validation import Requirement, ReusePlan, Validator, check_buffer
+from engine.cache.validation import GDN_KINDS, ReplayPolicy, Requirement, ReusePlan, Validator, check_buffer
 from engine.events import CacheLookup
 from engine.metrics import CacheMetrics
 
@@ -46,7 +46,8 @@ class CacheConfig:
     checkpoint_every: int = 4  # boundary snapshots kept every K segments (plus request ends, branch points)
     checkpoint_request_end: bool = True  # keep the last boundary a request wrote
     checkpoint_branch_point: bool = True  # keep the first boundary a request wrote (where it left the cache)
-    reuse: str = "exact"  # "exact" | "off"
+    reuse: str = "exact"  # "exact" | "approximate" (Tail-Replay, labelled) | "off"
+    replay_budget: float = 0.05  # approximate: tokens a GDN replay may take (fraction of the match if < 1)
     max_pending_recoveries: int = 4  # admission cap: reuses in flight that still need recovery
     recovery_budget_tokens: int = 1 << 16  # admission cap: tokens those may recompute, together
     static: bool = False  # static execution: freeze the cache topology, check it on every replay
@@ -65,8 +66,10 @@ class CacheConfig:
         unknown = sorted({g for g, _ in self.group_budgets} - set(GROUPS))
         if unknown:
             raise ValueError(f"unknown cache groups {unknown}; groups: {', '.join(GROUPS)}")
-        if self.reuse not in ("exact", "off"):
-            raise ValueError(f"reuse must be 'exact' or 'off', got {self.reuse!r}")
+        if self.reuse not in ("exact", "approximate", "off"):
+            raise ValueError(f"reuse must be 'exact', 'approximate' or 'off', got {self.reuse!r}")
+        if self.replay_budget <= 0:
+            raise ValueError("replay_budget must be > 0 (a fraction < 1 of the match, or tokens >= 1)")
 
 
 def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
@@ -110,7 +113,8 @@ class PrefixCache:
         self.template_pieces = [s.export(0, 0) for s in self.template.layers]
         reqs = [Requirement(i, kind, piece.per_segment)
                 for i, pieces in enumerate(self.template_pieces) for kind, piece in pieces.items()]
-        self.validator = Validator(self.config.block_size, self.layout, reqs)
+        policy = ReplayPolicy("approximate" if self.config.reuse == "approximate" else "exact", self.config.replay_budget)
+        self.validator = Validator(self.config.block_size, self.layout, reqs, policy)
         self.metrics = CacheMetrics()
         self.events: deque[CacheLookup] = deque(maxlen=1000)
         self.admission = AdmissionControl(self.config.max_pending_recoveries, self.config.recovery_budget_tokens)
@@ -126,7 +130,7 @@ class PrefixCache:
         """Out of memory, a record is spilled to the lower tier (still matchable, fetched on use);
         without one it is forgotten."""
         node = self.index.nodes.get(rec.key)
-        if self.lower is None or node is None:
+        if self.lower is None or node is None or not rec.exact:  # approximate state never goes to disk
             self.index.remove(rec.key)
             return
         if self.persisted.get(rec.key) != rec.version and not self._save_record(rec, node):
@@ -178,7 +182,7 @@ class PrefixCache:
         n = 0
         for rec in list(self.table):
             node = self.index.nodes.get(rec.key)
-            if node is None or self.persisted.get(rec.key) == rec.version:
+            if node is None or not rec.exact or self.persisted.get(rec.key) == rec.version:
                 continue
             n += self._save_record(rec, node)
         return n
@@ -240,7 +244,11 @@ class PrefixCache:
                 self.table.promote(rec, self.model.device)
             versions = [r.version for r in records]
             layers = []
+            fresh = self.model.new_state() if plan.replay_from is not None else None
             for i, template in enumerate(self.template.layers):
+                if fresh is not None and set(self.template_pieces[i]) <= GDN_KINDS:
+                    layers.append(fresh.layers[i])  # rebuilt by the replay, from zero
+                    continue
                 pieces = {}
                 for kind, tp in self.template_pieces[i].items():
                     owners = records if tp.per_segment else records[-1:]
@@ -308,6 +316,7 @@ class RequestWriter:
         self.first: bytes | None = None  # the branch point: the first boundary whose snapshots we added
         self.prompt_end_key: bytes | None = None  # the prompt's last whole segment: resent prompts resume here
         self.captured: list[tuple[bytes, int]] = []  # (key, segment index) whose snapshots we added
+        self.exact = plan.exact  # what follows an approximate resume is approximate too
 
     def next_stop(self, seq_len: int) -> int:
         """The next boundary after seq_len whose snapshots this request will keep: the branch
@@ -345,7 +354,7 @@ class RequestWriter:
             had = set(before.pieces) if before is not None else set()
             pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
                       for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=j == last).items()}
-            self.cache.table.put(node.key, j, self.cache.layout, pieces)
+            self.cache.table.put(node.key, j, self.cache.layout, pieces, exact=self.exact)
             if any(not p.per_segment and k not in had for k, p in pieces.items()):
                 self.captured.append((node.key, j))
                 if self.first is None:

@@ -33,6 +33,7 @@ class SegmentRecord:
     written_step: int = 0
     last_access_step: int = 0
     pins: int = 0
+    exact: bool = True  # False: written after an approximate (tail-replay) resume; never used by exact reuse
 
     def has(self, layer: int, kind: str) -> bool:
         return (layer, kind) in self.pieces
@@ -99,11 +100,20 @@ class StateTable:
     def touch(self, record: SegmentRecord) -> None:
         record.last_access_step = self.step
 
-    def put(self, key: bytes, index: int, layout: bytes, pieces: dict[PieceKey, Piece]) -> SegmentRecord:
-        """Add pieces to the segment's record (creating it); existing pieces are kept."""
+    def put(self, key: bytes, index: int, layout: bytes, pieces: dict[PieceKey, Piece],
+            exact: bool = True) -> SegmentRecord:
+        """Add pieces to the segment's record (creating it); existing pieces are kept. Exact and
+        approximate pieces never mix: approximate ones are not added to an exact record, and exact
+        ones replace an approximate record's."""
         rec = self.records.get(key)
+        if rec is not None and rec.exact != exact:
+            if not exact:
+                self.touch(rec)
+                return rec
+            self.remove(key)
+            rec = None
         if rec is None:
-            rec = self.records[key] = SegmentRecord(key, index, layout, written_step=self.step)
+            rec = self.records[key] = SegmentRecord(key, index, layout, written_step=self.step, exact=exact)
         added = {k: p for k, p in pieces.items() if k not in rec.pieces}
         if added:
             if rec.tier == "host":

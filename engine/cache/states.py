@@ -117,6 +117,12 @@ class KVState:
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [0, end) already held: a replay reads them, never writes."""
+        if end > self.length:
+            raise IndexError(f"positions up to {end} asked of a KV state holding {self.length}")
+        return self.k[:, :, :end], self.v[:, :, :end]
+
     def _grow(self, needed: int) -> None:
         cap = max(needed, 2 * self.k.shape[2])
         for name in ("k", "v"):

@@ -54,6 +54,11 @@ class ReusePlan:
     exact: bool = True
     granular_tokens: int = 0  # the most any plan could reuse: whole matched segments, one token left to compute
     notes: tuple[str, ...] = ()  # what is not a failure but explains the numbers (a partial last segment)
+    replay_from: int | None = None  # tail replay: GDN states rebuilt from zero over [replay_from, usable_tokens)
+
+    @property
+    def replay_tokens(self) -> int:
+        return 0 if self.replay_from is None else self.usable_tokens - self.replay_from
 
     @property
     def degraded(self) -> bool:
@@ -66,10 +71,35 @@ class ReusePlan:
             "prompt_tokens": self.prompt_tokens, "logical_tokens": self.logical_tokens,
             "usable_tokens": self.usable_tokens, "exact": self.exact, "degraded": self.degraded,
             "granular_tokens": self.granular_tokens, "notes": list(self.notes),
+            "replay": None if self.replay_from is None else [self.replay_from, self.usable_tokens],
             "objects": [{"kind": o.kind, "action": o.action.value, "tokens": list(o.tokens), "layers": list(o.layers),
                          "path": o.path, "reason": o.reason} for o in self.objects],
             "failures": list(self.failures),
         }
+
+
+@dataclass(frozen=True)
+class ReplayPolicy:
+    """How a hit may rebuild GDN states that have no checkpoint at the resume point.
+    exact: resume at the nearest earlier checkpoint and recompute from there; approximate
+    (Tail-Replay): replay at most `budget` tokens (a fraction of the matched prefix if < 1,
+    else a token count) from a zero state, unless an exact checkpoint lies inside that window."""
+
+    mode: str = "exact"  # exact | approximate
+    budget: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("exact", "approximate"):
+            raise ValueError(f"replay mode must be exact or approximate, got {self.mode!r}")
+        if self.budget <= 0:
+            raise ValueError("the replay budget must be > 0 (a fraction < 1, or tokens >= 1)")
+
+    def tokens(self, prefix: int) -> int:
+        """The most tokens a replay of a `prefix`-token match may take."""
+        return int(self.budget * prefix) if self.budget < 1 else int(self.budget)
+
+
+GDN_KINDS = frozenset({"recurrent", "conv"})
 
 
 @dataclass(frozen=True)
@@ -80,10 +110,16 @@ class Requirement:
 
 
 class Validator:
-    def __init__(self, block_size: int, layout: bytes, requirements: list[Requirement]):
+    def __init__(self, block_size: int, layout: bytes, requirements: list[Requirement],
+                 policy: ReplayPolicy | None = None):
         self.block_size = block_size
         self.layout = layout
         self.requirements = requirements
+        self.policy = policy or ReplayPolicy()
+        # Tail-Replay needs every other layer's state exact at any boundary: token-addressable
+        # kinds only (full-attention KV); windows, tails and overlaps would need their own replay
+        snapshot_kinds = {r.kind for r in requirements if not r.per_segment}
+        self.replayable = bool(snapshot_kinds) and snapshot_kinds <= GDN_KINDS
 
     def plan(self, prompt_len: int, match: MatchResult, table: StateTable) -> ReusePlan:
         b = self.block_size
@@ -108,6 +144,9 @@ class Validator:
             if rec.layout != self.layout:
                 failures.append(f"layer 2: segment {j} was written under another layout fingerprint")
                 break
+            if not rec.exact and self.policy.mode == "exact":
+                failures.append(f"layer 3: segment {j} holds approximate (tail-replayed) state; the policy is exact")
+                break
             records.append(rec)
         n = len(records)
 
@@ -126,6 +165,12 @@ class Validator:
         snapshots = {(r.layer, r.kind) for r in self.requirements if not r.per_segment}
         while k > 0 and not snapshots <= records[k - 1].pieces.keys():
             k -= 1
+
+        if self.policy.mode == "approximate" and self.replayable and k < limit:
+            approximate = not all(r.exact for r in records[:limit])
+            plan = self._tail_replay(prompt_len, match, records, limit, k, failures, notes, n_asked, approximate)
+            if plan is not None:
+                return plan
 
         objects: list[ObjectPlan] = []
         if unavailable is not None:
@@ -149,7 +194,35 @@ class Validator:
                                          tuple(sorted({r.layer for r in self.requirements}))))
         objects.append(ObjectPlan("all", Action.RECOMPUTE, (k * b, prompt_len), (), "prefill"))
         return ReusePlan(prompt_len, match.logical_tokens, n * b, k * b, tuple(r.key for r in records[:k]),
-                         tuple(objects), tuple(failures), granular_tokens=n_asked * b, notes=tuple(notes))
+                         tuple(objects), tuple(failures), exact=all(r.exact for r in records[:k]),
+                         granular_tokens=n_asked * b, notes=tuple(notes))
+
+    def _tail_replay(self, prompt_len, match, records, limit, k, failures, notes, n_asked, approximate):
+        """Reuse every token-addressable state up to `limit` segments and rebuild the GDN states by
+        replaying the budget's tail from zero -- unless the nearest exact checkpoint (at k) lies
+        inside that tail, which the exact plan then uses. None: the exact plan applies."""
+        b = self.block_size
+        end = limit * b
+        start = max(0, end - self.policy.tokens(end))
+        if k > 0 and k * b >= start:
+            return None  # a checkpoint inside the window: replay from it, exactly
+        gdn_layers = tuple(sorted({r.layer for r in self.requirements if r.kind in GDN_KINDS}))
+        other = sorted({r.kind for r in self.requirements if r.kind not in GDN_KINDS})
+        exact = start == 0 and not approximate  # replaying the whole prefix from zero is exact
+        label = "exact: the whole prefix" if start == 0 else "approximate"
+        objects = (
+            ObjectPlan(",".join(other), Action.REUSE, (0, end), tuple(sorted({r.layer for r in self.requirements
+                                                                            if r.kind not in GDN_KINDS}))),
+            ObjectPlan("recurrent,conv", Action.RECOVER, (start, end), gdn_layers,
+                       f"tail replay of {end - start} tokens from a zero state ({label})",
+                       f"no GDN checkpoint in [{start}, {end}]; nearest at {k * b}"),
+            ObjectPlan("all", Action.RECOMPUTE, (end, prompt_len), (), "prefill"),
+        )
+        notes = notes + [f"GDN states rebuilt by replaying tokens [{start}, {end}) "
+                         f"(budget {self.policy.tokens(end)} tokens)"]
+        return ReusePlan(prompt_len, match.logical_tokens, len(records) * b, end,
+                         tuple(r.key for r in records[:limit]), objects, tuple(failures), exact=exact,
+                         granular_tokens=n_asked * b, notes=tuple(notes), replay_from=start)
 
 
 def check_buffer(t: torch.Tensor, like: torch.Tensor, device: torch.device) -> str | None:

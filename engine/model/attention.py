@@ -44,7 +44,7 @@ class GatedAttention(nn.Module):
         q = self.rotary.apply(q, start)
         k = self.rotary.apply(k, start)
         if state is not None:
-            k, v = state.append(k, v)
+            k, v = state.append(k, v) if state.length == start else state.read(start + t)
         o = _causal_attention(q, k, v, start)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))

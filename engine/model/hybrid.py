@@ -114,16 +114,19 @@ class HybridModel(nn.Module):
         return ModelState([blk.mixer.new_state(batch, self.dtype, self.device) for blk in self.layers])
 
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, replay_from: int | None = None) -> torch.Tensor:
+        """Logits for `input_ids` following `state`. With `replay_from`, the ids are positions
+        replay_from.. of a prefix the state already holds (Tail-Replay): attention layers read their
+        cached keys and values, never writing them; GDN layers advance; seq_len is unchanged."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        start = 0 if state is None else state.seq_len
+        start = replay_from if replay_from is not None else 0 if state is None else state.seq_len
         x = self.embed_tokens(input_ids)
         if self.hc_head is not None:
             x = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()  # [B, T, N, D]
         for i, blk in enumerate(self.layers):
             x = blk(x, None if state is None else state.layers[i], start, input_ids)
-        if state is not None:
+        if state is not None and replay_from is None:
             state.seq_len += input_ids.shape[1]
         if last_only:
             x = x[:, -1:]

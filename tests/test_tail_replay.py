@@ -1,0 +1,150 @@
+"""Tail-Replay: GDN states rebuilt by replaying a budgeted suffix from zero, every other layer's
+cached state read exactly and never overwritten; approximate results are labelled, never taken
+under the exact policy, and exact whenever the window reaches a checkpoint or the prefix start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache.faults import MemoryTier
+from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.validation import ReplayPolicy, Validator
+from engine.config import ModelConfig
+from engine.engine import Engine
+from engine.model.hybrid import HybridModel
+from engine.model.random_init import hcw_hybrid_dict, init_random, qwen3_5_text_dict
+
+B = 16
+
+
+def _model(raw) -> HybridModel:
+    return init_random(HybridModel(ModelConfig.from_dict(raw)), 0).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return _model(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))
+
+
+def _prompts(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, vocab, (160,), generator=g).tolist()
+    # shares 120 tokens (7 whole segments) with the first, then goes elsewhere
+    second = first[:120] + torch.randint(0, vocab, (20,), generator=g).tolist()
+    return first, second
+
+
+def _resume(model, budget, reuse="approximate", checkpoint_every=100, lower=None, branch_point=True):
+    """The second prompt's run after the first was cached: checkpoints only at the first
+    boundary (the branch point), the prompt end and the request end (every 100 segments: never
+    in between)."""
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=checkpoint_every, reuse=reuse,
+                                           replay_budget=budget, checkpoint_branch_point=branch_point), lower=lower)
+    engine = Engine(model, cache=cache)
+    first, second = _prompts(model.config.vocab_size)
+    engine.start(first).finish()
+    run = engine.start(second)
+    run.finish()
+    cold = Engine(model).start(second).logits
+    return run, cache, (run.logits - cold).abs().max().item()
+
+
+def test_replaying_the_whole_prefix_is_exact(qwen):
+    run, _, diff = _resume(qwen, budget=10_000, branch_point=False)
+    assert run.plan.replay_from == 0 and run.plan.usable_tokens == 112 and run.plan.exact
+    assert diff <= 1e-4
+
+
+def test_a_checkpoint_inside_the_window_is_used_exactly(qwen):
+    run, _, diff = _resume(qwen, budget=0.5, checkpoint_every=2)  # checkpoints every 32 tokens
+    assert run.plan.replay_from is None and run.plan.exact and run.plan.usable_tokens == 96
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("budget, allowed", [(0.25, 28), (40, 40), (0.01, 1)])
+def test_an_approximate_resume_is_labelled_and_keeps_to_its_budget(qwen, budget, allowed):
+    run, cache, diff = _resume(qwen, budget)
+    plan = run.plan
+    assert plan.replay_from is not None and not plan.exact
+    assert plan.usable_tokens == 112 and 0 < plan.replay_tokens <= allowed
+    summary = plan.summary()
+    assert summary["exact"] is False and summary["replay"] == [plan.replay_from, 112]
+    assert any("tail replay" in o["path"] and "approximate" in o["path"] for o in summary["objects"])
+    assert cache.events[-1].plan is plan and torch.isfinite(run.logits).all()
+    # what the request wrote after an approximate resume is itself approximate
+    written = [cache.table.get(n.key) for n in cache.index.match(_prompts(qwen.config.vocab_size)[1]).segments[7:]]
+    assert written and all(not r.exact for r in written)
+
+
+def _replayed_state_error(model, prefix, r):
+    """Largest error of the GDN states rebuilt by replaying the last r tokens of `prefix` from
+    zero (every other layer's state exact), against the states of a full prefill."""
+    engine = Engine(model)
+    exact = engine.new_state()
+    engine.prefill(prefix, exact)
+    state = engine.new_state()
+    engine.prefill(prefix, state)
+    fresh = model.new_state()
+    gdn = [i for i, layer in enumerate(state.layers) if hasattr(layer, "recurrent")]
+    for i in gdn:
+        state.layers[i] = fresh.layers[i]
+    engine.replay(prefix[len(prefix) - r:], state, len(prefix) - r)
+    assert state.seq_len == len(prefix)
+    return max((state.layers[i].recurrent - exact.layers[i].recurrent).abs().max().item() for i in gdn)
+
+
+def test_a_short_replay_is_approximate_and_a_longer_one_closer(qwen):
+    prefix = _prompts(qwen.config.vocab_size)[0][:112]
+    errors = [_replayed_state_error(qwen, prefix, r) for r in (1, 4, 16, 112)]
+    assert errors[0] > 1e-3  # dropping the older state changes it: the result is approximate
+    assert errors[0] >= errors[1] >= errors[2]
+    assert errors[-1] <= 1e-5  # the whole prefix from zero: exact
+
+
+def test_cached_kv_is_never_overwritten_by_replayed_values(qwen):
+    cache = PrefixCache(qwen, CacheConfig(block_size=B, checkpoint_every=100, reuse="approximate", replay_budget=8))
+    engine = Engine(qwen, cache=cache)
+    first, second = _prompts(qwen.config.vocab_size)
+    engine.start(first).finish()
+    records = [cache.table.get(n.key) for n in cache.index.match(second).segments]
+    before = {(j, k): tuple(t.clone() for t in p.data) for j, r in enumerate(records) for k, p in r.pieces.items()
+              if p.per_segment}
+    run = engine.start(second)
+    run.finish()
+    assert run.plan.replay_from is not None
+    for (j, k), tensors in before.items():
+        now = records[j].pieces[k].data
+        assert all(torch.equal(a, b) for a, b in zip(tensors, now)), (j, k)
+
+
+def test_the_exact_policy_never_takes_an_approximate_plan_or_record(qwen):
+    run, cache, diff = _resume(qwen, budget=8, reuse="exact")
+    assert run.plan.exact and run.plan.replay_from is None and diff <= 1e-4
+    # records written after an approximate resume are refused under the exact policy
+    run, cache, _ = _resume(qwen, budget=8)
+    exact = Validator(B, cache.layout, cache.validator.requirements, ReplayPolicy("exact"))
+    second = _prompts(qwen.config.vocab_size)[1]
+    plan = exact.plan(len(second) + 8, cache.index.match(second + [1] * 8), cache.table)
+    assert plan.usable_tokens <= 112 and plan.exact
+    assert any("approximate" in f for f in plan.failures)
+
+
+def test_approximate_records_never_reach_the_lower_tier(qwen):
+    tier = MemoryTier()
+    run, cache, _ = _resume(qwen, budget=8, lower=tier)
+    approximate = {r.key for r in cache.table if not r.exact}
+    assert approximate and not approximate & set(tier.rows)
+
+
+def test_layers_with_windows_are_not_replayed_approximately():
+    model = _model(hcw_hybrid_dict(hidden=64))
+    run, _, diff = _resume(model, budget=8)
+    assert run.plan.replay_from is None and run.plan.exact and diff <= 1e-4
+
+
+def test_bad_budgets_and_policies_are_refused():
+    with pytest.raises(ValueError, match="replay_budget"):
+        CacheConfig(reuse="approximate", replay_budget=0)
+    with pytest.raises(ValueError, match="reuse must be"):
+        CacheConfig(reuse="sometimes")
