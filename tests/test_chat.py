@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
 from workbench.cli import app
-from workbench.plain import run_plain
+from workbench.plain import run_plain, status_line
 from workbench.session import ChatOptions, ChatSession
 
 FACT = "The code for Mira is 4821. " + "Filler words go here and there. " * 6
@@ -139,3 +139,37 @@ def test_hcw_chat_plain_through_the_cli(model_dir, tmp_path):
     assert res.exit_code == 2 and "--reuse must be one of" in res.stderr
     res = CliRunner().invoke(app, ["chat", "--model", str(tmp_path / "nope"), "--db", str(db)])
     assert res.exit_code == 2 and "does not exist" in res.stderr
+
+
+def test_approximate_reuse_is_opt_in_and_labelled_everywhere(tmp_path):
+    from engine.model.random_init import qwen3_5_text_dict
+
+    qwen = write_random_model(tmp_path / "qwen", qwen3_5_text_dict(hidden=64, layers=4, attn_every=2), seed=1)
+    long_fact = "The code for Mira is 4821. " + "Some filler words that go on and on. " * 8
+    edited = long_fact[:-30] + "But this ending differs from the first."
+    outcomes = {}
+    for reuse in ("exact", "approximate"):
+        s = ChatSession(ChatOptions(model=qwen, db=tmp_path / f"{reuse}.db", block_size=16, checkpoint_every=100,
+                                    max_new_tokens=4, reuse=reuse, replay_budget=8))
+        s.send(long_fact)
+        s.edit(1, edited)
+        outcomes[reuse] = (s, s.regenerate())
+    s, r = outcomes["exact"]
+    assert r.exact and r.replay_tokens == 0 and all(row.exact for row in s.segments())
+    s, r = outcomes["approximate"]
+    assert not r.exact and 0 < r.replay_tokens <= 8 and r.replay_budget_tokens == 8
+    assert r.cached_tokens > outcomes["exact"][1].cached_tokens  # more reuse is what approximate buys
+    assert r.as_dict()["exact"] is False and s.path()[-1].content == r.text
+    assert "approximate" in status_line(r)
+    assert not s.segments()[-1].exact  # segments written after an approximate resume say so
+    assert json.loads(s.store.db.execute("SELECT meta FROM messages WHERE id = ?",
+                                         [r.message.id]).fetchone()[0])["exact"] is False
+
+
+def test_replay_budget_parsing():
+    from workbench.session import parse_budget
+
+    assert parse_budget("5%") == pytest.approx(0.05) and parse_budget("0.1") == 0.1 and parse_budget("512") == 512
+    for bad in ("zero", "0", "-1", "150%"):
+        with pytest.raises(ValueError, match="replay-budget"):
+            parse_budget(bad)

@@ -131,7 +131,10 @@ def chat(
     model: str = typer.Option("hcw-tiny", "--model", help="model folder, or a built-in model's name"),
     db: Path | None = typer.Option(None, "--db", help="workbench database (default: $HCW_HOME/hcw.db)"),
     session: str | None = typer.Option(None, "--session", help="resume a stored conversation (id or prefix)"),
-    reuse: str = typer.Option("exact", "--reuse", help="exact (default: only provably exact reuse) | off"),
+    reuse: str = typer.Option("exact", "--reuse", help="exact (default: only provably exact reuse) | approximate "
+                              "(Tail-Replay within --replay-budget, labelled) | off"),
+    replay_budget: str = typer.Option("5%", "--replay-budget", help="approximate: tokens a GDN replay may take, "
+                                      "a share of the matched prefix (5%, 0.05) or a count (512)"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     sample: bool = typer.Option(False, "--sample", help="temperature/top-p sampling instead of greedy"),
     plain: bool = typer.Option(False, "--plain", help="line-based REPL (also used when stdin is not a terminal)"),
@@ -139,11 +142,11 @@ def chat(
 ) -> None:
     """Chat with a model: the Textual workbench on a terminal, a line-based REPL otherwise."""
     from engine.config import ConfigError
-    from workbench.session import ChatOptions, ChatSession
+    from workbench.session import ChatOptions, ChatSession, parse_budget
 
     try:
         opts = ChatOptions(model=model, db=db, session=session, reuse=reuse, max_new_tokens=max_new_tokens,
-                           greedy=not sample)
+                           greedy=not sample, replay_budget=parse_budget(replay_budget))
         chat_session = ChatSession(opts)
     except (ConfigError, ValueError, KeyError) as e:
         _fail(e.args[0] if e.args else str(e))

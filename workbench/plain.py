@@ -37,6 +37,9 @@ def status_line(r: TurnResult) -> str:
     label = "" if r.lookup is None or r.lookup.plan.exact else " approximate"
     parts = [f"{outcome}{label}", f"{r.cached_tokens}/{r.prompt_tokens} prompt tokens reused",
              f"TTFT {r.ttft_ms:.0f} ms", f"{r.tokens_per_s:.1f} tok/s"]
+    if r.replay_tokens:
+        parts.append(f"GDN replayed {r.replay_tokens}" + (f"/{r.replay_budget_tokens} budget" if r.replay_budget_tokens
+                                                          else "") + " tokens")
     if r.stop_reason == "cancelled":
         parts.append("cancelled")
     return "[" + " · ".join(parts) + "]"

@@ -27,7 +27,7 @@ from engine.tokenizer import StreamDecoder, load_tokenizer
 from store.conversations import Conversations, Message, Thread
 from store.tier import DiskTier
 
-REUSE_POLICIES = ("exact", "off")
+REUSE_POLICIES = ("exact", "approximate", "off")
 # the presence columns of the segment state table: column -> the state kinds it stands for
 PRESENCE = {"kv": ("kv",), "compressed": ("compressed",), "tail": ("tail", "overlap"), "window": ("window",),
             "indexer": ("index_keys", "index_tail", "index_overlap"), "gdn": ("recurrent", "conv")}
@@ -76,6 +76,18 @@ FAULTS["disk_read_error"] = _disk_read_error
 FAULTS["disk_corrupt_blob"] = _disk_corrupt_blob
 
 
+def parse_budget(text: str) -> float:
+    """'5%' or '0.05' -> a fraction of the matched prefix; '512' -> tokens."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ValueError(f"--replay-budget: {text!r} is not a fraction (0.05, 5%) or a token count (512)") from None
+    if value <= 0 or (t.endswith("%") and value >= 1):
+        raise ValueError(f"--replay-budget: {text!r} must be above 0 (and a percentage below 100%)")
+    return value
+
+
 def fault_names() -> list[str]:
     return [name.replace("_", "-") for name in FAULTS]
 
@@ -90,6 +102,7 @@ class ChatOptions:
     db: Path | None = None
     session: str | None = None  # a conversation id (or unique prefix) to resume
     reuse: str = "exact"
+    replay_budget: float = 0.05  # approximate: a fraction (< 1) of the matched prefix, or tokens
     max_new_tokens: int = 256
     greedy: bool = True
     temperature: float = 0.8
@@ -103,6 +116,8 @@ class ChatOptions:
     def __post_init__(self) -> None:
         if self.reuse not in REUSE_POLICIES:
             raise ValueError(f"--reuse must be one of {', '.join(REUSE_POLICIES)}, got {self.reuse!r}")
+        if self.replay_budget <= 0:
+            raise ValueError("--replay-budget must be > 0: a fraction like 0.05 or 5%, or a token count")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
 
@@ -132,6 +147,15 @@ class TurnResult:
     lookup: CacheLookup | None
     message: Message | None  # the assistant message appended to the tree
     saved_segments: int = 0
+    replay_budget_tokens: int = 0  # what the policy allowed this resume to replay (approximate only)
+
+    @property
+    def exact(self) -> bool:
+        return self.lookup is None or self.lookup.plan.exact
+
+    @property
+    def replay_tokens(self) -> int:
+        return self.lookup.plan.replay_tokens if self.lookup else 0
 
     def as_dict(self) -> dict:
         return {"text": self.text, "stop_reason": self.stop_reason, "prompt_tokens": self.prompt_tokens,
@@ -139,6 +163,8 @@ class TurnResult:
                 "outcome": self.lookup.outcome if self.lookup else "off",
                 "plan": self.lookup.plan.summary() if self.lookup else None,
                 "reasons": list(self.lookup.reasons) if self.lookup else [],
+                "exact": self.exact, "replay_tokens": self.replay_tokens,
+                "replay_budget_tokens": self.replay_budget_tokens,
                 "message": self.message.id if self.message else None, "saved_segments": self.saved_segments}
 
 
@@ -170,7 +196,8 @@ class ChatSession:
         if self.tok is None:
             raise ValueError(f"{opts.model} has no tokenizer; hcw chat needs one")
         cfg = CacheConfig(block_size=opts.block_size, checkpoint_every=opts.checkpoint_every,
-                          budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse)
+                          budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse,
+                          replay_budget=opts.replay_budget)
         self.tier = DiskTier(opts.db, layout_fingerprint(self.model, cfg))
         self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
         self.engine = Engine(self.model, cache=self.cache)
@@ -238,13 +265,16 @@ class ChatSession:
         tps = gen.timings.as_dict()["predicted_per_second"] if gen else 0.0
         meta = {"stop_reason": stop_reason, "prompt_tokens": len(ids), "ttft_ms": round(ttft, 2),
                 "tokens_per_s": round(tps, 2), "outcome": lookup.outcome if lookup else "off",
-                "cached_tokens": lookup.plan.usable_tokens if lookup else 0}
+                "cached_tokens": lookup.plan.usable_tokens if lookup else 0,
+                "exact": lookup.plan.exact if lookup else True}
         message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta)
         self.save()  # the engine saves at the request's end; this catches a cancelled one too
         saved = self.tier.saved - saved_before
         self._count(lookup, ttft, tps)
+        budget = self.cache.validator.policy.tokens(lookup.plan.usable_tokens) \
+            if lookup is not None and self.opts.reuse == "approximate" else 0
         return TurnResult(text, answer_ids, stop_reason, len(ids), meta["cached_tokens"], ttft, tps, lookup, message,
-                          saved)
+                          saved, budget)
 
     def sampling(self) -> SamplingParams:
         o = self.opts
@@ -351,7 +381,8 @@ class ChatSession:
             on_disk = node.key in self.cache.persisted or self.tier.has(node.key)
             tier = rec.tier if rec else ("disk" if on_disk else "gone")
             rows.append(SegmentRow(node.index, (node.index * b, (node.index + 1) * b), tier,
-                                   {col: bool(kinds & set(ks)) for col, ks in PRESENCE.items()}, on_disk, True,
+                                   {col: bool(kinds & set(ks)) for col, ks in PRESENCE.items()}, on_disk,
+                                   rec.exact if rec else True,
                                    rec.last_access_step if rec else -1))
         return rows
 

@@ -1,5 +1,6 @@
 """Replay budget gauges: for each resume, how the prompt was served — reused from the cache,
-recovered (replayed from a checkpoint or recomputed for a missing state), or computed new."""
+recovered (recomputed for a missing state), or computed new — and, for a Tail-Replay resume, the
+GDN replay against its budget, labelled exact or approximate."""
 
 from __future__ import annotations
 
@@ -34,8 +35,12 @@ class ReplayBudget(Static):
             text.append("█" * bar[0], style="green")
             text.append("█" * bar[1], style="yellow")
             text.append("░" * max(0, WIDTH - sum(bar)), style="grey50")
-            label = "exact" if r.lookup is None or r.lookup.plan.exact else "approximate"
-            text.append(f" {reused}+{recovered}+{new}/{r.prompt_tokens} {label}\n")
+            text.append(f" {reused}+{recovered}+{new}/{r.prompt_tokens} ")
+            text.append("exact" if r.exact else "approximate", style="" if r.exact else "bold magenta")
+            if r.replay_tokens:
+                budget = f"/{r.replay_budget_tokens}" if r.replay_budget_tokens else ""
+                text.append(f" · replay {r.replay_tokens}{budget}")
+            text.append("\n")
         text.append("reused", style="green")
         text.append(" + ")
         text.append("recovered", style="yellow")
