@@ -121,13 +121,23 @@ class Engine:
         return logits[0, -1]
 
     @torch.inference_mode()
-    def replay(self, ids: Sequence[int], state: ModelState, start: int, chunk_size: int | None = None) -> None:
+    def replay(self, ids: Sequence[int], state: ModelState, start: int, restarts: dict[int, int] | None = None,
+               chunk_size: int | None = None) -> None:
         """Tail-Replay: run positions start.. (which `state` already covers for every other layer)
-        through the model so that its GDN layers, reset to zero, rebuild their states."""
+        through the model so that its GDN layers rebuild their states; layer i's recurrent state
+        restarts from zero at restarts[i] (default: at `start`), the tokens before that rebuild
+        its conv state."""
         chunk = chunk_size or self.config.prefill_chunk_size
         tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.model.device)
-        for lo in range(0, len(tokens), chunk):
-            self.model(tokens[lo:lo + chunk], state, last_only=True, replay_from=start + lo)
+        restarts = restarts or {}
+        cuts = sorted({start, start + len(tokens), *(p for p in restarts.values() if start < p < start + len(tokens))})
+        for lo, hi in zip(cuts, cuts[1:]):
+            for i, p in restarts.items():
+                if p == lo:
+                    state.layers[i].recurrent = torch.zeros_like(state.layers[i].recurrent)
+            for a in range(lo, hi, chunk):
+                b = min(a + chunk, hi)
+                self.model(tokens[a - start:b - start], state, last_only=True, replay_from=a)
 
     @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:
@@ -150,7 +160,7 @@ class Engine:
         stops = writer.next_stop
         if plan.replay_from is not None:
             t0 = time.perf_counter()
-            self.replay(fed[plan.replay_from:plan.usable_tokens], state, plan.replay_from)
+            self.replay(fed[plan.replay_from:plan.usable_tokens], state, plan.replay_from, dict(plan.replay_starts))
             self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
         recover_to = plan.matched_tokens if any(o.action.value == "recover" for o in plan.objects) else 0
         if state.seq_len < recover_to:

@@ -62,7 +62,7 @@ def test_a_checkpoint_inside_the_window_is_used_exactly(qwen):
     assert diff <= 1e-4
 
 
-@pytest.mark.parametrize("budget, allowed", [(0.25, 28), (40, 40), (0.01, 1)])
+@pytest.mark.parametrize("budget, allowed", [(0.25, 28), (40, 40), (0.05, 5)])
 def test_an_approximate_resume_is_labelled_and_keeps_to_its_budget(qwen, budget, allowed):
     run, cache, diff = _resume(qwen, budget)
     plan = run.plan
@@ -92,6 +92,11 @@ def _replayed_state_error(model, prefix, r):
     engine.replay(prefix[len(prefix) - r:], state, len(prefix) - r)
     assert state.seq_len == len(prefix)
     return max((state.layers[i].recurrent - exact.layers[i].recurrent).abs().max().item() for i in gdn)
+
+
+def test_a_budget_too_small_to_rebuild_the_conv_state_falls_back_to_exact(qwen):
+    run, _, diff = _resume(qwen, budget=2)  # the conv state needs the 3 tokens before the restart
+    assert run.plan.replay_from is None and run.plan.exact and diff <= 1e-4
 
 
 def test_a_short_replay_is_approximate_and_a_longer_one_closer(qwen):
@@ -148,3 +153,115 @@ def test_bad_budgets_and_policies_are_refused():
         CacheConfig(reuse="approximate", replay_budget=0)
     with pytest.raises(ValueError, match="reuse must be"):
         CacheConfig(reuse="sometimes")
+
+
+# ---- the certificate ---------------------------------------------------------------------
+
+def _trained_replayable(tmp_path_factory):
+    """A GDN + full-attention hcw_hybrid after a few training steps (decays no longer random)."""
+    from workbench.tiny.train import TrainConfig, train
+
+    cfg = TrainConfig(hidden=64, seq_len=96, batch_size=4, steps=12, minutes=5, warmup=2, log_every=100,
+                      layers=("linear_attention", "full_attention", "linear_attention", "full_attention"))
+    _, model = train(cfg, tmp_path_factory.mktemp("trained"), progress=lambda line: None)
+    return model.requires_grad_(False)
+
+
+@pytest.fixture(scope="module", params=["random", "trained"])
+def replayable(request, tmp_path_factory, qwen):
+    return qwen if request.param == "random" else _trained_replayable(tmp_path_factory)
+
+
+def _gdn_layers(model):
+    return [i for i, blk in enumerate(model.layers) if hasattr(blk.mixer, "A_log")]
+
+
+def test_the_recorded_norm_bound_holds_and_chunking_does_not_change_it(replayable):
+    prefix = _prompts(replayable.config.vocab_size)[0][:100]
+    engine = Engine(replayable)
+    whole, chunked = engine.new_state(), engine.new_state()
+    engine.prefill(prefix, whole)
+    engine.prefill(prefix, chunked, chunk_size=7)
+    for i in _gdn_layers(replayable):
+        a, b = whole.layers[i], chunked.layers[i]
+        assert a.stats_end == b.stats_end == 100
+        assert torch.allclose(a.stats[:, :100], b.stats[:, :100], rtol=1e-4, atol=1e-6)
+        true_norm = a.recurrent.flatten(2).norm(dim=-1)  # [B, H] Frobenius per head
+        assert (true_norm <= a.stats[:, 99, :, 1] + 1e-6).all()
+
+
+def test_the_bound_holds_for_every_layer_given_its_inputs(replayable):
+    """Each GDN layer replayed from zero at s with its exact inputs: error <= the bound."""
+    from engine.cache.replay import bounds
+
+    prefix = _prompts(replayable.config.vocab_size)[0][:112]
+    inputs = {}
+    hooks = [replayable.layers[i].mixer.register_forward_pre_hook(
+        lambda mod, args, i=i: inputs.__setitem__(i, args[0])) for i in _gdn_layers(replayable)]
+    engine = Engine(replayable)
+    exact = engine.new_state()
+    engine.prefill(prefix, exact)
+    for h in hooks:
+        h.remove()
+    checked = 0
+    for i in _gdn_layers(replayable):
+        mixer, x = replayable.layers[i].mixer, inputs[i]
+        bound = bounds(exact.layers[i].stats[:, :112])
+        warm = mixer.kernel - 1
+        for s in (1, 20, 64, 100, 111):
+            fresh = mixer.new_state(1, replayable.dtype, replayable.device)
+            with torch.inference_mode():
+                mixer(x[:, max(0, s - warm):s], fresh, start=-1)
+                fresh.recurrent = torch.zeros_like(fresh.recurrent)
+                mixer(x[:, s:], fresh, start=-1)
+            error = (fresh.recurrent - exact.layers[i].recurrent).flatten(2).norm(dim=-1).max().item()
+            assert error <= bound[s].item() + 1e-6, (i, s, error, bound[s].item())
+            checked += error > 0
+    assert checked  # the replays were approximate, not trivially exact
+
+
+def test_the_first_gdn_layer_is_certified_through_the_whole_model(replayable):
+    from engine.cache.replay import bounds
+
+    prefix = _prompts(replayable.config.vocab_size)[0][:112]
+    engine = Engine(replayable)
+    exact = engine.new_state()
+    engine.prefill(prefix, exact)
+    first = _gdn_layers(replayable)[0]
+    bound = bounds(exact.layers[first].stats[:, :112])
+    for s in (8, 40, 100):
+        state = engine.new_state()
+        engine.prefill(prefix, state)
+        fresh = replayable.new_state()
+        for i in _gdn_layers(replayable):
+            state.layers[i] = fresh.layers[i]
+        warm = replayable.layers[first].mixer.kernel - 1
+        engine.replay(prefix[s - warm:], state, s - warm, {i: s for i in _gdn_layers(replayable)})
+        error = (state.layers[first].recurrent - exact.layers[first].recurrent).flatten(2).norm(dim=-1).max().item()
+        assert error <= bound[s].item() + 1e-6
+
+
+def test_adaptive_replay_picks_per_layer_the_shortest_replay_within_tolerance(replayable):
+    plans = {}
+    for tolerance in (1e-1, 1e-3, 1e-6):
+        cache = PrefixCache(replayable, CacheConfig(block_size=B, checkpoint_every=100, reuse="approximate",
+                                                    replay_budget=None, replay_tolerance=tolerance,
+                                                    checkpoint_branch_point=False))
+        engine = Engine(replayable, cache=cache)
+        first, second = _prompts(replayable.config.vocab_size)
+        engine.start(first).finish()
+        run = engine.start(second)
+        plans[tolerance] = run.plan
+        assert run.plan.replay_from is not None and run.plan.replay_bound <= tolerance
+        assert {layer for layer, _ in run.plan.replay_starts} == set(_gdn_layers(replayable))
+        assert "error bound" in run.plan.summary()["objects"][1]["path"] or run.plan.exact
+    # a tighter tolerance never replays less
+    lengths = [plans[t].replay_tokens for t in (1e-1, 1e-3, 1e-6)]
+    assert lengths == sorted(lengths)
+
+
+def test_every_approximate_plan_reports_its_bound(qwen):
+    run, _, _ = _resume(qwen, budget=16)
+    assert not run.plan.exact and run.plan.replay_bound > 0
+    assert run.plan.summary()["replay_bound"] == run.plan.replay_bound
+    assert f"{run.plan.replay_bound:.2e}" in run.plan.objects[1].path

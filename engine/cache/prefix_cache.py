@@ -30,11 +30,12 @@ from engine.cache.recovery import GROUPS, group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
 from engine.cache.states import ModelState, Piece
-from engine.cache.validation import GDN_KINDS, ReplayPolicy, Requirement, ReusePlan, Validator, check_buffer
+from engine.cache.replay import ReplayPolicy
+from engine.cache.validation import Requirement, ReusePlan, Validator, check_buffer
 from engine.events import CacheLookup
 from engine.metrics import CacheMetrics
 
-LAYOUT_VERSION = 1  # bump when a state piece's layout changes
+LAYOUT_VERSION = 2  # bump when a state piece's layout changes (2: GDN decay statistics)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class CacheConfig:
     checkpoint_request_end: bool = True  # keep the last boundary a request wrote
     checkpoint_branch_point: bool = True  # keep the first boundary a request wrote (where it left the cache)
     reuse: str = "exact"  # "exact" | "approximate" (Tail-Replay, labelled) | "off"
-    replay_budget: float = 0.05  # approximate: tokens a GDN replay may take (fraction of the match if < 1)
+    replay_budget: float | None = 0.05  # approximate: tokens a GDN replay may take (fraction of the match if < 1)
+    replay_tolerance: float | None = None  # approximate, adaptive: per layer the shortest replay within this bound
     max_pending_recoveries: int = 4  # admission cap: reuses in flight that still need recovery
     recovery_budget_tokens: int = 1 << 16  # admission cap: tokens those may recompute, together
     static: bool = False  # static execution: freeze the cache topology, check it on every replay
@@ -68,8 +70,12 @@ class CacheConfig:
             raise ValueError(f"unknown cache groups {unknown}; groups: {', '.join(GROUPS)}")
         if self.reuse not in ("exact", "approximate", "off"):
             raise ValueError(f"reuse must be 'exact', 'approximate' or 'off', got {self.reuse!r}")
-        if self.replay_budget <= 0:
+        if self.replay_budget is not None and self.replay_budget <= 0:
             raise ValueError("replay_budget must be > 0 (a fraction < 1 of the match, or tokens >= 1)")
+        if self.replay_tolerance is not None and self.replay_tolerance <= 0:
+            raise ValueError("replay_tolerance must be > 0")
+        if self.reuse == "approximate" and self.replay_budget is None and self.replay_tolerance is None:
+            raise ValueError("approximate reuse needs a replay_budget, a replay_tolerance, or both")
 
 
 def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
@@ -113,8 +119,11 @@ class PrefixCache:
         self.template_pieces = [s.export(0, 0) for s in self.template.layers]
         reqs = [Requirement(i, kind, piece.per_segment)
                 for i, pieces in enumerate(self.template_pieces) for kind, piece in pieces.items()]
-        policy = ReplayPolicy("approximate" if self.config.reuse == "approximate" else "exact", self.config.replay_budget)
-        self.validator = Validator(self.config.block_size, self.layout, reqs, policy)
+        cfg = self.config
+        policy = ReplayPolicy("approximate", cfg.replay_budget, cfg.replay_tolerance) if cfg.reuse == "approximate" \
+            else ReplayPolicy()
+        warmup = max((p["conv"].data.shape[-1] for p in self.template_pieces if "conv" in p), default=0)
+        self.validator = Validator(cfg.block_size, self.layout, reqs, policy, warmup)
         self.metrics = CacheMetrics()
         self.events: deque[CacheLookup] = deque(maxlen=1000)
         self.admission = AdmissionControl(self.config.max_pending_recoveries, self.config.recovery_budget_tokens)
@@ -246,8 +255,10 @@ class PrefixCache:
             layers = []
             fresh = self.model.new_state() if plan.replay_from is not None else None
             for i, template in enumerate(self.template.layers):
-                if fresh is not None and set(self.template_pieces[i]) <= GDN_KINDS:
-                    layers.append(fresh.layers[i])  # rebuilt by the replay, from zero
+                if fresh is not None and "recurrent" in self.template_pieces[i]:
+                    # rebuilt by the replay, from zero; its statistics continue the recorded ones
+                    fresh.layers[i].resume_stats(plan.usable_tokens, [r.pieces[(i, "decay")].data for r in records])
+                    layers.append(fresh.layers[i])
                     continue
                 pieces = {}
                 for kind, tp in self.template_pieces[i].items():

@@ -21,6 +21,8 @@ ROUTES: dict[str, Route] = {
     # GDN states are not token-addressable: resume at the nearest earlier checkpoint, replay from there
     "recurrent": Route("replay from the nearest earlier checkpoint", False, "recurrent"),
     "conv": Route("replay from the nearest earlier checkpoint", False, "recurrent"),
+    # per-token decay statistics (Tail-Replay's error bound): recompute the segments missing them
+    "decay": Route("recompute from the first segment missing decay statistics", True, "recurrent"),
     # token-addressable KV: recompute the tokens of the first segment whose KV is gone
     "kv": Route("recompute from the first segment missing KV", True, "full_kv"),
     # compressed entries are rebuilt only from the layer's inputs, which are not kept: recompute

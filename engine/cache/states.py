@@ -151,35 +151,90 @@ class KVState:
 
 @dataclass
 class GDNState:
-    """Gated DeltaNet state: not token-addressable, it only ever describes the whole prefix."""
+    """Gated DeltaNet state: not token-addressable, it only ever describes the whole prefix.
+
+    Beside the state it keeps, per token and value head, the log-decay g_t and an upper bound
+    N_t on the state's Frobenius norm (N_t = exp(g_t) N_{t-1} + beta_t |v_t|, which holds because
+    k is unit-norm and 0 < beta < 1): the "decay" statistics Tail-Replay certifies its error with.
+    They are exported per segment; `stats_end` is the position they run to (a replay, which
+    revisits earlier positions, does not record them)."""
 
     conv: torch.Tensor  # [B, conv_dim, K-1]: the last K-1 projected q/k/v inputs, oldest first
     recurrent: torch.Tensor  # [B, Hv, Dk, Dv] float32
+    stats: torch.Tensor = None  # [B, capacity, Hv, 2] float32: (g_t, N_t) for positions stats_start..
+    stats_start: int = 0
+    stats_end: int = 0
+    norm: torch.Tensor = None  # [B, Hv] float64: N at stats_end
+
+    def __post_init__(self) -> None:
+        b, heads = self.recurrent.shape[:2]
+        if self.stats is None:
+            self.stats = torch.zeros(b, 0, heads, 2, dtype=torch.float32, device=self.recurrent.device)
+        if self.norm is None:
+            self.norm = torch.zeros(b, heads, dtype=torch.float64, device=self.recurrent.device)
 
     @classmethod
     def zeros(cls, batch: int, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, dtype, device) -> GDNState:
         return cls(torch.zeros(batch, conv_dim, kernel - 1, dtype=dtype, device=device),
                    torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=device))
 
+    def record(self, start: int, g: torch.Tensor, x: torch.Tensor) -> None:
+        """Append the statistics of positions start.. (g: log-decay, x: beta * |v|, [B, T, Hv])
+        when they continue the recorded ones; a replay of earlier positions records nothing."""
+        if start != self.stats_end:
+            return
+        g64, x64 = g.double(), x.double()
+        cum = g64.cumsum(1)  # G_t: log-decay from the chunk start through t
+        # N_t = exp(G_t) N_0 + sum_{s<=t} exp(G_t - G_s) x_s, the sum through logcumsumexp
+        tail = torch.logcumsumexp(torch.log(x64.clamp_min(1e-300)) - cum, dim=1)
+        n = torch.exp(cum) * self.norm[:, None] + torch.exp(cum + tail)
+        n = n * (1 + 1e-6)  # rounding up keeps it an upper bound after float32 storage
+        used = self.stats_end - self.stats_start
+        need = used + g.shape[1]
+        if need > self.stats.shape[1]:
+            grown = self.stats.new_zeros(self.stats.shape[0], max(need, 2 * self.stats.shape[1], 256),
+                                         *self.stats.shape[2:])
+            grown[:, :used] = self.stats[:, :used]
+            self.stats = grown
+        self.stats[:, used:need, :, 0] = g
+        self.stats[:, used:need, :, 1] = n.float()
+        self.norm = n[:, -1]
+        self.stats_end += g.shape[1]
+
+    def resume_stats(self, seq_len: int, decay_pieces: list[torch.Tensor]) -> None:
+        """Continue the statistics at seq_len from the segments' recorded ones (after assembly)."""
+        self.stats = self.stats[:, :0]
+        self.stats_start = self.stats_end = seq_len
+        last = next((p for p in reversed(decay_pieces) if p.shape[1]), None)
+        self.norm = last[:, -1, :, 1].double() if last is not None else torch.zeros_like(self.norm)
+
     def nbytes(self) -> int:
-        return _nbytes(self.conv) + _nbytes(self.recurrent)
+        return _nbytes(self.conv) + _nbytes(self.recurrent) + _nbytes(self.stats)
 
     def objects(self, layer: int, seq_len: int) -> list[StateObject]:
         held = self.conv.shape[-1]
+        used = self.stats[:, :self.stats_end - self.stats_start]
         return [
             StateObject(layer, "recurrent", tuple(self.recurrent.shape), False, (0, seq_len), _nbytes(self.recurrent)),
             # the conv window is the last K-1 inputs, but it only means something at exactly seq_len
             StateObject(layer, "conv", tuple(self.conv.shape), False, (max(0, seq_len - held), seq_len),
                         _nbytes(self.conv)),
+            _tokens(layer, "decay", used, self.stats_start),
         ]
 
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
-        if not snapshots:
-            return {}
-        return {"recurrent": Piece(False, self.recurrent.clone()), "conv": Piece(False, self.conv.clone())}
+        out = {}
+        if self.stats_start <= lo and hi <= self.stats_end:
+            out["decay"] = Piece(True, self.stats[:, lo - self.stats_start:hi - self.stats_start].clone())
+        if snapshots:
+            out["recurrent"] = Piece(False, self.recurrent.clone())
+            out["conv"] = Piece(False, self.conv.clone())
+        return out
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:
-        return GDNState(conv=pieces["conv"].clone(), recurrent=pieces["recurrent"].clone())
+        state = GDNState(conv=pieces["conv"].clone(), recurrent=pieces["recurrent"].clone())
+        state.resume_stats(seq_len, pieces["decay"])
+        return state
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 
 from engine.cache.prefix_index import MatchResult
 from engine.cache.recovery import route
+from engine.cache.replay import ReplayPolicy, choose
 from engine.cache.state_table import StateTable
 
 ALIGNMENT = 16  # bytes: what vectorised CPU and GPU loads expect of a buffer's base address
@@ -54,7 +55,9 @@ class ReusePlan:
     exact: bool = True
     granular_tokens: int = 0  # the most any plan could reuse: whole matched segments, one token left to compute
     notes: tuple[str, ...] = ()  # what is not a failure but explains the numbers (a partial last segment)
-    replay_from: int | None = None  # tail replay: GDN states rebuilt from zero over [replay_from, usable_tokens)
+    replay_from: int | None = None  # tail replay: the model runs [replay_from, usable_tokens) to rebuild GDN states
+    replay_starts: tuple[tuple[int, int], ...] = ()  # (layer, where its recurrent state restarts from zero)
+    replay_bound: float = 0.0  # certified bound on the GDN state error the replay leaves (0: exact)
 
     @property
     def replay_tokens(self) -> int:
@@ -72,31 +75,11 @@ class ReusePlan:
             "usable_tokens": self.usable_tokens, "exact": self.exact, "degraded": self.degraded,
             "granular_tokens": self.granular_tokens, "notes": list(self.notes),
             "replay": None if self.replay_from is None else [self.replay_from, self.usable_tokens],
+            "replay_starts": [list(x) for x in self.replay_starts], "replay_bound": self.replay_bound,
             "objects": [{"kind": o.kind, "action": o.action.value, "tokens": list(o.tokens), "layers": list(o.layers),
                          "path": o.path, "reason": o.reason} for o in self.objects],
             "failures": list(self.failures),
         }
-
-
-@dataclass(frozen=True)
-class ReplayPolicy:
-    """How a hit may rebuild GDN states that have no checkpoint at the resume point.
-    exact: resume at the nearest earlier checkpoint and recompute from there; approximate
-    (Tail-Replay): replay at most `budget` tokens (a fraction of the matched prefix if < 1,
-    else a token count) from a zero state, unless an exact checkpoint lies inside that window."""
-
-    mode: str = "exact"  # exact | approximate
-    budget: float = 0.05
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("exact", "approximate"):
-            raise ValueError(f"replay mode must be exact or approximate, got {self.mode!r}")
-        if self.budget <= 0:
-            raise ValueError("the replay budget must be > 0 (a fraction < 1, or tokens >= 1)")
-
-    def tokens(self, prefix: int) -> int:
-        """The most tokens a replay of a `prefix`-token match may take."""
-        return int(self.budget * prefix) if self.budget < 1 else int(self.budget)
 
 
 GDN_KINDS = frozenset({"recurrent", "conv"})
@@ -111,8 +94,9 @@ class Requirement:
 
 class Validator:
     def __init__(self, block_size: int, layout: bytes, requirements: list[Requirement],
-                 policy: ReplayPolicy | None = None):
+                 policy: ReplayPolicy | None = None, replay_warmup: int = 0):
         self.block_size = block_size
+        self.replay_warmup = replay_warmup  # tokens before a recurrent restart that rebuild the conv state
         self.layout = layout
         self.requirements = requirements
         self.policy = policy or ReplayPolicy()
@@ -199,30 +183,38 @@ class Validator:
 
     def _tail_replay(self, prompt_len, match, records, limit, k, failures, notes, n_asked, approximate):
         """Reuse every token-addressable state up to `limit` segments and rebuild the GDN states by
-        replaying the budget's tail from zero -- unless the nearest exact checkpoint (at k) lies
-        inside that tail, which the exact plan then uses. None: the exact plan applies."""
+        replaying a tail from zero (the budget's, or per layer the shortest whose certified bound
+        is within tolerance) -- unless the nearest exact checkpoint (at k) lies inside it, which
+        the exact plan then uses. None: the exact plan applies."""
         b = self.block_size
         end = limit * b
-        start = max(0, end - self.policy.tokens(end))
-        if k > 0 and k * b >= start:
-            return None  # a checkpoint inside the window: replay from it, exactly
-        gdn_layers = tuple(sorted({r.layer for r in self.requirements if r.kind in GDN_KINDS}))
+        gdn_layers = sorted({r.layer for r in self.requirements if r.kind in GDN_KINDS})
+        if any(not all((layer, "decay") in r.pieces for r in records[:limit]) for layer in gdn_layers):
+            return None  # no statistics to certify a replay with
+        decay = {layer: torch.cat([r.pieces[(layer, "decay")].data for r in records[:limit]], dim=1)
+                 for layer in gdn_layers}
+        pick = choose(self.policy, end, decay, self.replay_warmup)
+        if pick is None or (k > 0 and k * b >= pick.begin):
+            return None  # nothing within the budget, or a checkpoint inside the window: replay from it, exactly
+        exact = pick.bound == 0.0 and not approximate
         other = sorted({r.kind for r in self.requirements if r.kind not in GDN_KINDS})
-        exact = start == 0 and not approximate  # replaying the whole prefix from zero is exact
-        label = "exact: the whole prefix" if start == 0 else "approximate"
+        how = "exact: from the prefix start" if exact else f"approximate, error bound {pick.bound:.2e}"
         objects = (
             ObjectPlan(",".join(other), Action.REUSE, (0, end), tuple(sorted({r.layer for r in self.requirements
                                                                             if r.kind not in GDN_KINDS}))),
-            ObjectPlan("recurrent,conv", Action.RECOVER, (start, end), gdn_layers,
-                       f"tail replay of {end - start} tokens from a zero state ({label})",
-                       f"no GDN checkpoint in [{start}, {end}]; nearest at {k * b}"),
+            ObjectPlan("recurrent,conv", Action.RECOVER, (pick.begin, end), tuple(gdn_layers),
+                       f"tail replay of {end - pick.begin} tokens from a zero state ({how})",
+                       f"no GDN checkpoint in [{pick.begin}, {end}]; nearest at {k * b}"),
             ObjectPlan("all", Action.RECOMPUTE, (end, prompt_len), (), "prefill"),
         )
-        notes = notes + [f"GDN states rebuilt by replaying tokens [{start}, {end}) "
-                         f"(budget {self.policy.tokens(end)} tokens)"]
+        cap = self.policy.tokens(end)
+        notes = notes + [f"GDN states rebuilt by replaying tokens [{pick.begin}, {end})"
+                         + (f" (budget {cap} tokens)" if cap is not None else "")
+                         + (f"; per-layer restarts {dict(pick.starts)}" if self.policy.adaptive else "")]
         return ReusePlan(prompt_len, match.logical_tokens, len(records) * b, end,
                          tuple(r.key for r in records[:limit]), objects, tuple(failures), exact=exact,
-                         granular_tokens=n_asked * b, notes=tuple(notes), replay_from=start)
+                         granular_tokens=n_asked * b, notes=tuple(notes), replay_from=pick.begin,
+                         replay_starts=pick.starts, replay_bound=pick.bound)
 
 
 def check_buffer(t: torch.Tensor, like: torch.Tensor, device: torch.device) -> str | None:
