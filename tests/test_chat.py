@@ -139,6 +139,13 @@ def test_hcw_chat_plain_through_the_cli(model_dir, tmp_path):
     assert res.exit_code == 2 and "--reuse must be one of" in res.stderr
     res = CliRunner().invoke(app, ["chat", "--model", str(tmp_path / "nope"), "--db", str(db)])
     assert res.exit_code == 2 and "does not exist" in res.stderr
+    res = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--db", str(db), "--reuse", "approximate",
+                                   "--replay-budget", "lots"])
+    assert res.exit_code == 2 and "not a fraction" in res.stderr
+    res = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--db", str(db), "--plain", "--json",
+                                   "--reuse", "approximate", "--replay-budget", "adaptive", "--max-new-tokens", "2"],
+                             input=f"{FACT}\n")
+    assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[0])["type"] == "turn"
 
 
 def test_approximate_reuse_is_opt_in_and_labelled_everywhere(tmp_path):
@@ -160,7 +167,7 @@ def test_approximate_reuse_is_opt_in_and_labelled_everywhere(tmp_path):
     assert not r.exact and 0 < r.replay_tokens <= 8 and r.replay_budget_tokens == 8
     assert r.cached_tokens > outcomes["exact"][1].cached_tokens  # more reuse is what approximate buys
     assert r.as_dict()["exact"] is False and s.path()[-1].content == r.text
-    assert "approximate" in status_line(r)
+    assert "approximate" in status_line(r) and "error bound" in status_line(r)
     assert not s.segments()[-1].exact  # segments written after an approximate resume say so
     assert json.loads(s.store.db.execute("SELECT meta FROM messages WHERE id = ?",
                                          [r.message.id]).fetchone()[0])["exact"] is False
@@ -170,6 +177,7 @@ def test_replay_budget_parsing():
     from workbench.session import parse_budget
 
     assert parse_budget("5%") == pytest.approx(0.05) and parse_budget("0.1") == 0.1 and parse_budget("512") == 512
+    assert parse_budget("adaptive") is None
     for bad in ("zero", "0", "-1", "150%"):
         with pytest.raises(ValueError, match="replay-budget"):
             parse_budget(bad)

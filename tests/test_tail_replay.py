@@ -149,8 +149,12 @@ def test_layers_with_windows_are_not_replayed_approximately():
 
 
 def test_bad_budgets_and_policies_are_refused():
-    with pytest.raises(ValueError, match="replay_budget"):
+    with pytest.raises(ValueError, match="budget must be > 0"):
         CacheConfig(reuse="approximate", replay_budget=0)
+    with pytest.raises(ValueError, match="needs a budget, a tolerance"):
+        CacheConfig(reuse="approximate", replay_budget=None)
+    with pytest.raises(ValueError, match="tolerance must be > 0"):
+        CacheConfig(reuse="approximate", replay_tolerance=-1.0)
     with pytest.raises(ValueError, match="reuse must be"):
         CacheConfig(reuse="sometimes")
 

@@ -134,7 +134,10 @@ def chat(
     reuse: str = typer.Option("exact", "--reuse", help="exact (default: only provably exact reuse) | approximate "
                               "(Tail-Replay within --replay-budget, labelled) | off"),
     replay_budget: str = typer.Option("5%", "--replay-budget", help="approximate: tokens a GDN replay may take, "
-                                      "a share of the matched prefix (5%, 0.05) or a count (512)"),
+                                      "a share of the matched prefix (5%, 0.05), a count (512), or 'adaptive'"),
+    replay_tolerance: float | None = typer.Option(None, "--replay-tolerance", help="approximate: per GDN layer the "
+                                                  "shortest replay whose certified state-error bound is below this "
+                                                  "(default 1e-3 with --replay-budget adaptive)"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     sample: bool = typer.Option(False, "--sample", help="temperature/top-p sampling instead of greedy"),
     plain: bool = typer.Option(False, "--plain", help="line-based REPL (also used when stdin is not a terminal)"),
@@ -146,7 +149,8 @@ def chat(
 
     try:
         opts = ChatOptions(model=model, db=db, session=session, reuse=reuse, max_new_tokens=max_new_tokens,
-                           greedy=not sample, replay_budget=parse_budget(replay_budget))
+                           greedy=not sample, replay_budget=(budget := parse_budget(replay_budget)),
+                           replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3)
         chat_session = ChatSession(opts)
     except (ConfigError, ValueError, KeyError) as e:
         _fail(e.args[0] if e.args else str(e))

@@ -39,7 +39,8 @@ def status_line(r: TurnResult) -> str:
              f"TTFT {r.ttft_ms:.0f} ms", f"{r.tokens_per_s:.1f} tok/s"]
     if r.replay_tokens:
         parts.append(f"GDN replayed {r.replay_tokens}" + (f"/{r.replay_budget_tokens} budget" if r.replay_budget_tokens
-                                                          else "") + " tokens")
+                                                          else "") + " tokens"
+                     + (f", error bound {r.lookup.plan.replay_bound:.1e}" if not r.exact else ""))
     if r.stop_reason == "cancelled":
         parts.append("cancelled")
     return "[" + " · ".join(parts) + "]"

@@ -28,7 +28,7 @@ from pathlib import Path
 from workbench.session import ChatOptions, ChatSession, TurnResult
 
 OPS = {"config", "user", "edit", "branch", "fork", "switch", "fault", "restart", "save"}
-CONFIG_KEYS = {"model", "reuse", "replay_budget", "max_new_tokens", "block_size", "checkpoint_every", "system"}
+CONFIG_KEYS = {"model", "reuse", "replay_budget", "replay_tolerance", "max_new_tokens", "block_size", "checkpoint_every", "system"}
 EXPECT_KEYS = {"outcome", "contains", "exact", "min_cached_tokens"}
 
 

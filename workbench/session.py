@@ -76,9 +76,12 @@ FAULTS["disk_read_error"] = _disk_read_error
 FAULTS["disk_corrupt_blob"] = _disk_corrupt_blob
 
 
-def parse_budget(text: str) -> float:
-    """'5%' or '0.05' -> a fraction of the matched prefix; '512' -> tokens."""
+def parse_budget(text: str) -> float | None:
+    """'5%' or '0.05' -> a fraction of the matched prefix; '512' -> tokens; 'adaptive' -> None
+    (no cap: the tolerance decides)."""
     t = text.strip()
+    if t.lower() == "adaptive":
+        return None
     try:
         value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
@@ -102,7 +105,8 @@ class ChatOptions:
     db: Path | None = None
     session: str | None = None  # a conversation id (or unique prefix) to resume
     reuse: str = "exact"
-    replay_budget: float = 0.05  # approximate: a fraction (< 1) of the matched prefix, or tokens
+    replay_budget: float | None = 0.05  # approximate: a fraction (< 1) of the matched prefix, or tokens; None: no cap
+    replay_tolerance: float | None = None  # approximate, adaptive: the certified error bound each GDN layer keeps under
     max_new_tokens: int = 256
     greedy: bool = True
     temperature: float = 0.8
@@ -116,8 +120,8 @@ class ChatOptions:
     def __post_init__(self) -> None:
         if self.reuse not in REUSE_POLICIES:
             raise ValueError(f"--reuse must be one of {', '.join(REUSE_POLICIES)}, got {self.reuse!r}")
-        if self.replay_budget <= 0:
-            raise ValueError("--replay-budget must be > 0: a fraction like 0.05 or 5%, or a token count")
+        if self.reuse == "approximate":
+            CacheConfig(reuse="approximate", replay_budget=self.replay_budget, replay_tolerance=self.replay_tolerance)
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
 
@@ -197,7 +201,7 @@ class ChatSession:
             raise ValueError(f"{opts.model} has no tokenizer; hcw chat needs one")
         cfg = CacheConfig(block_size=opts.block_size, checkpoint_every=opts.checkpoint_every,
                           budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse,
-                          replay_budget=opts.replay_budget)
+                          replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance)
         self.tier = DiskTier(opts.db, layout_fingerprint(self.model, cfg))
         self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
         self.engine = Engine(self.model, cache=self.cache)
@@ -271,7 +275,7 @@ class ChatSession:
         self.save()  # the engine saves at the request's end; this catches a cancelled one too
         saved = self.tier.saved - saved_before
         self._count(lookup, ttft, tps)
-        budget = self.cache.validator.policy.tokens(lookup.plan.usable_tokens) \
+        budget = (self.cache.validator.policy.tokens(lookup.plan.usable_tokens) or 0) \
             if lookup is not None and self.opts.reuse == "approximate" else 0
         return TurnResult(text, answer_ids, stop_reason, len(ids), meta["cached_tokens"], ttft, tps, lookup, message,
                           saved, budget)

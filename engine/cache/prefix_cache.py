@@ -70,12 +70,13 @@ class CacheConfig:
             raise ValueError(f"unknown cache groups {unknown}; groups: {', '.join(GROUPS)}")
         if self.reuse not in ("exact", "approximate", "off"):
             raise ValueError(f"reuse must be 'exact', 'approximate' or 'off', got {self.reuse!r}")
-        if self.replay_budget is not None and self.replay_budget <= 0:
-            raise ValueError("replay_budget must be > 0 (a fraction < 1 of the match, or tokens >= 1)")
-        if self.replay_tolerance is not None and self.replay_tolerance <= 0:
-            raise ValueError("replay_tolerance must be > 0")
-        if self.reuse == "approximate" and self.replay_budget is None and self.replay_tolerance is None:
-            raise ValueError("approximate reuse needs a replay_budget, a replay_tolerance, or both")
+        self.replay_policy  # checks the budget and tolerance
+
+    @property
+    def replay_policy(self) -> ReplayPolicy:
+        if self.reuse != "approximate":
+            return ReplayPolicy()
+        return ReplayPolicy("approximate", self.replay_budget, self.replay_tolerance)
 
 
 def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
@@ -119,11 +120,8 @@ class PrefixCache:
         self.template_pieces = [s.export(0, 0) for s in self.template.layers]
         reqs = [Requirement(i, kind, piece.per_segment)
                 for i, pieces in enumerate(self.template_pieces) for kind, piece in pieces.items()]
-        cfg = self.config
-        policy = ReplayPolicy("approximate", cfg.replay_budget, cfg.replay_tolerance) if cfg.reuse == "approximate" \
-            else ReplayPolicy()
         warmup = max((p["conv"].data.shape[-1] for p in self.template_pieces if "conv" in p), default=0)
-        self.validator = Validator(cfg.block_size, self.layout, reqs, policy, warmup)
+        self.validator = Validator(self.config.block_size, self.layout, reqs, self.config.replay_policy, warmup)
         self.metrics = CacheMetrics()
         self.events: deque[CacheLookup] = deque(maxlen=1000)
         self.admission = AdmissionControl(self.config.max_pending_recoveries, self.config.recovery_budget_tokens)
