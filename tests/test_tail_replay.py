@@ -269,3 +269,46 @@ def test_every_approximate_plan_reports_its_bound(qwen):
     assert not run.plan.exact and run.plan.replay_bound > 0
     assert run.plan.summary()["replay_bound"] == run.plan.replay_bound
     assert f"{run.plan.replay_bound:.2e}" in run.plan.objects[1].path
+
+
+# ---- hcw bench replay ----------------------------------------------------------------------
+
+def test_bench_replay_measures_every_policy_on_the_same_tasks(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from engine.model.random_init import write_random_model
+    from workbench.cli import app
+
+    folder = write_random_model(tmp_path / "q", qwen3_5_text_dict(hidden=64, layers=4, attn_every=2), seed=2)
+    res = CliRunner().invoke(app, ["bench", "replay", "--model", str(folder), "--prefix-lengths", "400",
+                                   "--budgets", "0.1,adaptive", "--tasks", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["rows"]
+    assert [r["policy"] for r in rows] == ["exact", "0.1", "adaptive (tol 0.001)"]
+    exact, fixed, adaptive = rows
+    assert exact["all_exact"] and exact["replayed_tokens"] == 0 and exact["reused_tokens"] == 0
+    assert not fixed["all_exact"] and 0 < fixed["replayed_tokens"] <= 0.1 * fixed["reused_tokens"]
+    assert adaptive["max_bound"] <= 1e-3 and fixed["reused_tokens"] > 0
+    res = CliRunner().invoke(app, ["bench", "replay", "--model", str(folder), "--budgets", "lots"])
+    assert res.exit_code == 2 and "not a fraction" in res.stderr
+
+
+def test_needle_tasks_put_the_needle_at_the_asked_depth():
+    import random
+
+    from engine.tokenizer import ByteTokenizer
+    from workbench.tiny.data import RULER_KINDS, needle_task
+
+    tok = ByteTokenizer()
+    for kind in RULER_KINDS:
+        positions = []
+        for depth in (0.0, 0.5, 1.0):
+            task = needle_task(random.Random(4), 2000, depth, kind)
+            text = tok.decode(tok.apply_chat_template(task.context))
+            assert task.answer in text and len(tok.encode(text)) > 1500
+            positions.append(text.find(task.answer) / len(text))
+        assert positions == sorted(positions) and positions[0] < 0.2 and positions[-1] > 0.8, (kind, positions)
+    with pytest.raises(ValueError, match="unknown task kind"):
+        needle_task(random.Random(0), 100, 0.5, "haystack")

@@ -103,6 +103,46 @@ def replay(
         raise typer.Exit(1)
 
 
+bench = typer.Typer(no_args_is_help=True, help="Measurements that need a model (scripts in benchmarks/ cover the rest).")
+app.add_typer(bench, name="bench")
+
+
+@bench.command("replay")
+def bench_replay(
+    model: str = typer.Option("hcw-tiny", "--model", help="model folder, or a built-in model's name"),
+    prefix_lengths: str = typer.Option("8192,16384,32768", "--prefix-lengths", help="comma-separated token counts"),
+    budgets: str = typer.Option("0.01,0.02,0.05,0.1,0.2,adaptive", "--budgets",
+                                help="fractions of the prefix, token counts, and/or 'adaptive'"),
+    tolerance: float = typer.Option(1e-3, "--tolerance", help="adaptive: the certified bound each layer keeps under"),
+    tasks: int = typer.Option(4, "--tasks", min=1, help="needle tasks per prefix length"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    write_docs: bool = typer.Option(False, "--write-docs", help="write the table and plot into docs/"),
+) -> None:
+    """Tail-Replay vs full prefill: quality and TTFT by prefix length and replay budget."""
+    from workbench.bench_replay import markdown, parse_budgets, plot, run_bench
+
+    try:
+        lengths = [int(x) for x in prefix_lengths.split(",") if x.strip()]
+        if not lengths or min(lengths) < 64:
+            raise ValueError("--prefix-lengths: give token counts of at least 64")
+        report = run_bench(model, lengths, parse_budgets(budgets, tolerance), tasks,
+                           progress=None if as_json else lambda line: typer.echo(line, err=True))
+    except ValueError as e:  # ConfigError is one
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        typer.echo(markdown(report))
+    if write_docs:
+        from benchmarks.report import DOC, write_section
+
+        image = DOC.parent / "img" / "replay.png"
+        image.parent.mkdir(exist_ok=True)
+        plot(report, image)
+        write_section("replay", "Tail-Replay: quality and TTFT by budget (`hcw bench replay`)",
+                      markdown(report) + f"\n\n![replay](img/{image.name})")
+
+
 @app.command("inspect")
 def inspect_db(
     db: Path | None = typer.Argument(None, help="database file (default: $HCW_HOME/hcw.db)"),

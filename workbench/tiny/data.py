@@ -137,3 +137,49 @@ def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None
         ids[row, :len(take)] = torch.tensor(take)
         mask[row, :len(take)] = torch.tensor(ex.loss_mask[-seq_len:])
     return ids, mask
+
+
+@dataclass(frozen=True)
+class NeedleTask:
+    """A RULER-style task with the context and the question apart, so a benchmark can cache the
+    context and ask about it: `context` and `question` are chat turns; `answer` is the value."""
+
+    kind: str
+    context: list[dict]
+    question: str
+    answer: str
+    depth: float
+
+
+RULER_KINDS = ("single", "multikey", "multivalue", "variables")
+
+
+def needle_task(rng: random.Random, target_tokens: int, depth: float, kind: str = "single") -> NeedleTask:
+    """A haystack of about `target_tokens` filler tokens with the needle at `depth` (0 = start,
+    1 = end): single (one key), multikey (three distractor keys), multivalue (the asked key
+    holds two values, the question asks for the first), variables (a chain V_a = value, V_b = V_a)."""
+    if kind not in RULER_KINDS:
+        raise ValueError(f"unknown task kind {kind!r}; kinds: {', '.join(RULER_KINDS)}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError("depth must be in [0, 1]")
+    keys = [f"key-{k}" for k in rng.sample(range(1000, 10000), 4)]
+    value = _number(rng)
+    if kind == "variables":
+        a, b = rng.sample([f"V{i}" for i in range(1, 10)], 2)
+        needles, question = [f"{a} = {value}.", f"{b} = {a}."], f"What is {b}?"
+    else:
+        needles, question = [f"The value of {keys[0]} is {value}."], f"What is the value of {keys[0]}?"
+        if kind == "multikey":
+            needles += [f"The value of {k} is {_number(rng)}." for k in keys[1:]]
+        if kind == "multivalue":
+            needles.append(f"The value of {keys[0]} is also {_number(rng)}.")
+            question = f"What is the first value of {keys[0]}?"
+    words = max(8, target_tokens // 5)
+    before = int(words * depth)
+    text = _filler(rng, before) if before else ""
+    for i, needle in enumerate(needles):
+        text += f" {needle} " + _filler(rng, max(2, (words - before) // (len(needles) + 1)) if i < len(needles) - 1 else 0)
+    text += " " + _filler(rng, max(2, words - before - (words - before) // (len(needles) + 1) * (len(needles) - 1)))
+    context = [{"role": "system", "content": "You are a helpful assistant. Remember what the user tells you."},
+               {"role": "user", "content": text.strip()}, {"role": "assistant", "content": "Noted."}]
+    return NeedleTask(kind, context, question, value, depth)
