@@ -29,3 +29,29 @@ def recall_accuracy(model, lengths=(1024,), n: int = 20, kinds=("kv", "multikey"
             scores[kind] = hits / n
         out[length] = scores
     return out
+
+
+def needle_accuracy(model, lengths=(1024,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), n: int = 4,
+                    kinds=("single", "multikey", "variables"), seed: int = 99, progress=None) -> list[dict]:
+    """RULER-style needles (workbench.tiny.data.needle_task) by context length and needle depth:
+    one row per (length, depth) with the share answered right over n tasks (kinds in turn)."""
+    from workbench.tiny.data import needle_task
+
+    tok = ByteTokenizer()
+    engine = Engine(model)
+    rows = []
+    for length in lengths:
+        rng = random.Random(seed + length)
+        for depth in depths:
+            hits = 0
+            for i in range(n):
+                task = needle_task(rng, length, depth, kinds[i % len(kinds)])
+                prompt = tok.apply_chat_template(task.context + [{"role": "user", "content": task.question}])
+                gen = engine.generate(prompt, SamplingParams(max_new_tokens=len(task.answer) + 2, greedy=True,
+                                                             stop_ids=tok.eos_ids))
+                hits += tok.decode(gen.token_ids).strip().startswith(task.answer)
+            rows.append({"length": length, "depth": depth, "accuracy": hits / n, "n": n,
+                         "prompt_tokens": len(prompt)})
+            if progress is not None:
+                progress(rows[-1])
+    return rows
