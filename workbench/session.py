@@ -25,7 +25,7 @@ from engine.engine import Engine, Generation, SamplingParams
 from engine.events import CacheLookup
 from engine.tokenizer import StreamDecoder, load_tokenizer
 from store.conversations import Conversations, Message, Thread
-from store.tier import DiskTier
+from store.write_behind import WriteBehind
 
 REUSE_POLICIES = ("exact", "approximate", "off")
 # the presence columns of the segment state table: column -> the state kinds it stands for
@@ -202,7 +202,7 @@ class ChatSession:
         cfg = CacheConfig(block_size=opts.block_size, checkpoint_every=opts.checkpoint_every,
                           budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse,
                           replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance)
-        self.tier = DiskTier(opts.db, layout_fingerprint(self.model, cfg))
+        self.tier = WriteBehind(opts.db, layout_fingerprint(self.model, cfg))  # spills never block decoding
         self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
         self.engine = Engine(self.model, cache=self.cache)
         self.store = Conversations(self.tier.db)

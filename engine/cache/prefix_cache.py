@@ -192,7 +192,18 @@ class PrefixCache:
             if node is None or not rec.exact or self.persisted.get(rec.key) == rec.version:
                 continue
             n += self._save_record(rec, node)
+        if hasattr(self.lower, "flush"):  # a write-behind tier: what was answered is on disk before we return
+            self.lower.flush()
+            self._forget_failed_writes()
         return n
+
+    def _forget_failed_writes(self) -> None:
+        """Segments a write-behind tier failed to write are neither in memory nor on disk: not hits."""
+        for key, why in self.lower.take_failures() if hasattr(self.lower, "take_failures") else ():
+            self.persisted.pop(key, None)
+            self.metrics.lower_failures["save: " + why.split(":", 1)[0]] += 1
+            if key not in self.table:
+                self.index.remove(key)
 
     def should_shadow(self) -> bool:
         return self.config.shadow_fraction > 0 and self._rng.random() < self.config.shadow_fraction
@@ -204,6 +215,7 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int]) -> tuple[ReusePlan, ModelState, int | None]:
         """(plan, assembled state, admission ticket to release when the request ends)."""
         step = self.table.tick()
+        self._forget_failed_writes()
         abandoned: list[str] = []
         if not self.guard.check(self.topology):
             abandoned.append("rule 4: the cache topology differs from the captured one; running eager")

@@ -1,0 +1,122 @@
+"""Write-behind in front of a DiskTier: saves are queued and written by a background thread on its
+own SQLite connection, so a spill never blocks the prefill or decode that caused it.
+
+A queued segment stays readable: `load` serves it from the queue (the same pieces that will be
+written) before asking the disk. `flush()` waits until the queue is empty — the end of every turn
+calls it (through PrefixCache.save), so a killed process loses nothing already answered. A
+background write that fails is reported once by `take_failures()`; the cache then forgets that
+segment (it is neither in memory nor on disk any more).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from pathlib import Path
+
+from store.tier import DiskTier
+
+
+class WriteBehind:
+    def __init__(self, path: str | Path | None = None, layout: bytes = b""):
+        self.tier = DiskTier(path, layout)  # reads, on the caller's connection
+        self._layout = layout
+        self._cond = threading.Condition()
+        self._pending: dict[bytes, tuple] = {}  # key -> save arguments, merged while queued
+        self._order: deque[bytes] = deque()
+        self._failures: list[tuple[bytes, str]] = []
+        self._writing: tuple | None = None  # the save being written: still readable from here
+        self._closed = False
+        self.saved = 0
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hcw-write-behind", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def __getattr__(self, name):  # db, path, has, failures, read_hook, register_model: the tier's
+        return getattr(self.tier, name)
+
+    @property
+    def read_hook(self):  # the fault-injection seam of reads, on the caller's connection
+        return self.tier.read_hook
+
+    @read_hook.setter
+    def read_hook(self, hook) -> None:
+        self.tier.read_hook = hook
+
+    # ---- the LowerTier protocol -------------------------------------------------------------
+    def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
+             pieces: dict) -> tuple[bool, str]:
+        with self._cond:
+            if self._closed:
+                return False, "io: the write-behind queue is closed"
+            if key in self._pending:
+                old = self._pending[key]
+                pieces = {**old[5], **pieces}
+            else:
+                self._order.append(key)
+            self._pending[key] = (key, parent, index, tokens, layout, pieces)
+            self._cond.notify_all()
+        return True, ""
+
+    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
+        with self._cond:
+            queued = self._pending.get(key)
+            if queued is None and self._writing is not None and self._writing[0] == key:
+                queued = self._writing
+        if queued is not None:
+            return dict(queued[5]), ""
+        return self.tier.load(key, deadline)
+
+    def segments(self) -> list[dict]:
+        rows = self.tier.segments()
+        with self._cond:
+            known = {r["key"] for r in rows}
+            queued = list(self._pending.values()) + ([self._writing] if self._writing is not None else [])
+            rows += [{"key": a[0].hex(), "parent": a[1].hex(), "idx": a[2], "tokens": a[3]}
+                     for a in queued if a[0].hex() not in known]
+        return sorted(rows, key=lambda r: r["idx"])
+
+    # ---- the queue ------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._pending) + (self._writing is not None)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save is written (True) or `timeout` passes (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and self._writing is None, timeout)
+
+    def take_failures(self) -> list[tuple[bytes, str]]:
+        with self._cond:
+            out, self._failures = self._failures, []
+        return out
+
+    def close(self) -> None:
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.tier.close()
+
+    def _run(self) -> None:
+        writer = DiskTier(self.tier.path, self._layout)  # its own connection: transactions never interleave
+        self._ready.set()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._order or self._closed)
+                if not self._order:
+                    break
+                key = self._order.popleft()
+                args = self._writing = self._pending.pop(key)
+            ok, why = writer.save(*args)
+            with self._cond:
+                self._writing = None
+                if ok:
+                    self.saved += 1
+                else:
+                    self._failures.append((key, why))
+                self._cond.notify_all()
+        writer.close()

@@ -1,0 +1,110 @@
+"""Write-behind spills: saves are queued and written on a background thread with its own
+connection; queued segments stay readable; flush makes them durable; a failed background write
+is reported and the cache forgets that segment, so the output stays exact."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.engine import Engine
+from engine.config import ModelConfig
+from engine.model.hybrid import HybridModel
+from engine.model.random_init import init_random, qwen3_5_text_dict
+from store.tier import DiskTier
+from store.write_behind import WriteBehind
+
+LAYOUT = b"\x07" * 16
+
+
+def _pieces(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {(0, "kv"): (True, (torch.randn(1, 2, 16, 8, generator=g), torch.randn(1, 2, 16, 8, generator=g)), 16),
+            (1, "recurrent"): (False, torch.randn(1, 2, 4, 4, generator=g), 16)}
+
+
+@pytest.fixture
+def blocked_writer(monkeypatch):
+    """DiskTier.save blocks in the write-behind thread until the test releases it."""
+    release = threading.Event()
+    real = DiskTier.save
+
+    def save(self, *args):
+        if threading.current_thread().name == "hcw-write-behind":
+            release.wait()
+        return real(self, *args)
+    monkeypatch.setattr(DiskTier, "save", save)
+    return release
+
+
+def test_a_queued_save_returns_at_once_stays_readable_and_flush_makes_it_durable(tmp_path, blocked_writer):
+    wb = WriteBehind(tmp_path / "w.db", LAYOUT)
+    pieces = _pieces(1)
+    assert wb.save(b"k" * 16, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, pieces) == (True, "")
+    assert wb.queued == 1 and not DiskTier(tmp_path / "w.db", LAYOUT).has(b"k" * 16)
+    got, why = wb.load(b"k" * 16)
+    assert why == "" and torch.equal(got[(1, "recurrent")][1], pieces[(1, "recurrent")][1])
+    assert [r["key"] for r in wb.segments()] == [(b"k" * 16).hex()]
+    blocked_writer.set()
+    assert wb.flush(timeout=30)
+    assert wb.queued == 0 and wb.saved == 1
+    again, why = DiskTier(tmp_path / "w.db", LAYOUT).load(b"k" * 16)
+    assert why == "" and torch.equal(again[(0, "kv")][1][0], pieces[(0, "kv")][1][0])
+    wb.close()
+
+
+def test_saves_of_one_segment_merge_while_queued(tmp_path, blocked_writer):
+    wb = WriteBehind(tmp_path / "m.db", LAYOUT)
+    a, b = _pieces(1), _pieces(2)
+    wb.save(b"s" * 16, b"\x00" * 16, 0, bytes(128), LAYOUT, {(0, "kv"): a[(0, "kv")]})
+    wb.save(b"s" * 16, b"\x00" * 16, 0, bytes(128), LAYOUT, {(1, "recurrent"): b[(1, "recurrent")]})
+    blocked_writer.set()
+    wb.close()
+    got, _ = DiskTier(tmp_path / "m.db", LAYOUT).load(b"s" * 16)
+    assert set(got) == {(0, "kv"), (1, "recurrent")}
+
+
+def _model():
+    return init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))), 0)
+
+
+def test_spills_under_a_small_budget_go_through_the_queue_and_hits_stay_exact(tmp_path):
+    model = _model()
+    g = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, 263, (160,), generator=g).tolist() for _ in range(2))
+    probe = PrefixCache(model, CacheConfig(block_size=16))
+    Engine(model, cache=probe).start(first).finish()
+    one_prompt = probe.table.used
+    cfg = CacheConfig(block_size=16, budget_bytes=int(1.5 * one_prompt))  # one prompt fits, two do not
+    wb = WriteBehind(tmp_path / "s.db", layout_fingerprint(model, cfg))
+    engine = Engine(model, cache=PrefixCache(model, cfg, lower=wb))
+    engine.start(first).finish()
+    engine.start(second).finish()  # evicts much of the first: spilled through the queue
+    assert engine.cache.metrics.spills > 0 and wb.queued == 0  # finish() saved and flushed
+    query = first + [5, 6, 7]
+    run = engine.start(query)
+    cold = Engine(model).start(query).logits
+    assert run.plan.usable_tokens > 0 and engine.cache.metrics.lower_fetches > 0
+    assert (run.logits - cold).abs().max().item() <= 1e-4
+    wb.close()
+
+
+def test_a_failed_background_write_is_reported_and_the_segment_forgotten(tmp_path, monkeypatch):
+    model = _model()
+    cfg = CacheConfig(block_size=16, checkpoint_every=1)
+    monkeypatch.setattr(DiskTier, "save", lambda self, *a: (False, "io: disk full"))
+    wb = WriteBehind(tmp_path / "f.db", layout_fingerprint(model, cfg))
+    cache = PrefixCache(model, cfg, lower=wb)
+    engine = Engine(model, cache=cache)
+    prompt = torch.randint(0, 263, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.start(prompt).finish()
+    assert cache.metrics.lower_failures["save: io"] > 0 and not cache.persisted
+    for key in [r.key for r in cache.table]:
+        cache.table.remove(key)  # as if evicted: neither memory nor disk holds it now
+    run = engine.start(prompt + [1, 2])
+    assert run.plan.usable_tokens == 0
+    assert (run.logits - Engine(model).start(prompt + [1, 2]).logits).abs().max().item() <= 1e-4
+    wb.close()
