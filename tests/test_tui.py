@@ -89,3 +89,19 @@ def test_escape_cancels_and_quit_keeps_answered_turns(model_dir, tmp_path):
     conversation = asyncio.run(scenario())
     again = ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, session=conversation))
     assert [m.role for m in again.path()] == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_the_workbench_layout_snapshot(model_dir, tmp_path, monkeypatch, snap_compare):
+    """The layout a user sees on start (ids and memory pinned so the picture is reproducible)."""
+    import itertools
+
+    import psutil
+
+    counter = itertools.count()
+    monkeypatch.setattr("store.conversations.secrets.token_hex", lambda n: f"{next(counter):0{2 * n}x}")
+
+    class Memory:
+        rss = 512 << 20
+    monkeypatch.setattr(psutil.Process, "memory_info", lambda self: Memory())
+    app = _app(model_dir, tmp_path / "snap.db")
+    assert snap_compare(app, terminal_size=(150, 40))
