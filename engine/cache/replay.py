@@ -54,9 +54,11 @@ class ReplayPolicy:
 
 
 def bounds(decay: torch.Tensor) -> torch.Tensor:
-    """decay: [B, P, H, 2] per-token (g_t, N_t) of one GDN layer. Returns [P + 1]: for each
-    replay start s, the bound on the error of that layer's state at P (max over batch and heads);
-    bounds[0] = 0 (replaying everything from zero is exact), bounds[P] = N_{P-1} (no replay)."""
+    """decay: [B, G, H, 2] per group of tokens (summed log-decay, N at the group's end) of one GDN
+    layer (a group may be one token). Returns [G + 1]: for a replay starting at each group
+    boundary i, the bound on the error of that layer's state at the end (max over batch and
+    heads); bounds[0] = 0 (replaying everything from zero is exact), bounds[G] = N at the end (no
+    replay)."""
     g, n = decay[..., 0].double(), decay[..., 1].double()
     p = g.shape[1]
     # suffix[s] = sum_{t >= s} g_t, for s in 0..P
@@ -79,22 +81,24 @@ class ReplayChoice:
         return max((b for _, b in self.bounds), default=0.0)
 
 
-def choose(policy: ReplayPolicy, end: int, layer_decay: dict[int, torch.Tensor], warmup: int) -> ReplayChoice | None:
-    """The replay for a prefix of `end` tokens whose GDN layers recorded `layer_decay`, or None
-    when the policy allows none (the budget cannot even rebuild the conv state, or no start
-    within it meets the tolerance: the exact plan applies)."""
+def choose(policy: ReplayPolicy, end: int, layer_decay: dict[int, torch.Tensor], warmup: int,
+           stride: int = 1) -> ReplayChoice | None:
+    """The replay for a prefix of `end` tokens whose GDN layers recorded `layer_decay` (one
+    statistic per `stride` tokens), or None when the policy allows none (the budget cannot even
+    rebuild the conv state, or no start within it meets the tolerance: the exact plan applies).
+    Restarts fall on multiples of `stride`."""
     cap = policy.tokens(end)
     per_layer = {layer: bounds(d) for layer, d in layer_decay.items()}
     if policy.adaptive:
         # the latest start (shortest replay) whose bound is within tolerance; start 0 always is
-        starts = {layer: int(torch.nonzero(b <= policy.tolerance).max()) for layer, b in per_layer.items()}
+        groups = {layer: int(torch.nonzero(b <= policy.tolerance).max()) for layer, b in per_layer.items()}
     else:
-        s = max(0, end - cap + warmup)
-        if s > end:
+        first = -(-max(0, end - cap + warmup) // stride)  # the first group boundary inside the budget
+        if first * stride > end:
             return None
-        starts = {layer: s for layer in per_layer}
-    begin = max(0, min(starts.values(), default=end) - warmup)
+        groups = {layer: first for layer in per_layer}
+    begin = max(0, min(groups.values(), default=end // stride) * stride - warmup)
     if cap is not None and end - begin > cap:
         return None
-    return ReplayChoice(begin, end, tuple(sorted(starts.items())),
-                        tuple((layer, float(per_layer[layer][s])) for layer, s in sorted(starts.items())))
+    return ReplayChoice(begin, end, tuple((layer, g * stride) for layer, g in sorted(groups.items())),
+                        tuple((layer, float(per_layer[layer][g])) for layer, g in sorted(groups.items())))

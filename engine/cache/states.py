@@ -10,6 +10,8 @@ rebuild each state on its own.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -149,6 +151,9 @@ class KVState:
         return KVState(k, v, seq_len)
 
 
+STAT_STRIDE = 16  # tokens per cached decay statistic: Tail-Replay restarts at multiples of it
+
+
 @dataclass
 class GDNState:
     """Gated DeltaNet state: not token-addressable, it only ever describes the whole prefix.
@@ -225,7 +230,13 @@ class GDNState:
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
         out = {}
         if self.stats_start <= lo and hi <= self.stats_end:
-            out["decay"] = Piece(True, self.stats[:, lo - self.stats_start:hi - self.stats_start].clone())
+            # per group of `stride` tokens: the summed log-decay and N at the group's end, which is
+            # all a bound at the group boundaries needs (16x smaller than per token)
+            n = hi - lo
+            stride = math.gcd(STAT_STRIDE, n) if n else 1
+            seg = self.stats[:, lo - self.stats_start:hi - self.stats_start]
+            seg = seg.reshape(seg.shape[0], n // stride, stride, *seg.shape[2:])
+            out["decay"] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1))
         if snapshots:
             out["recurrent"] = Piece(False, self.recurrent.clone())
             out["conv"] = Piece(False, self.conv.clone())

@@ -193,7 +193,8 @@ class Validator:
             return None  # no statistics to certify a replay with
         decay = {layer: torch.cat([r.pieces[(layer, "decay")].data for r in records[:limit]], dim=1)
                  for layer in gdn_layers}
-        pick = choose(self.policy, end, decay, self.replay_warmup)
+        stride = b // max(1, next(iter(decay.values())).shape[1] // limit) if limit else 1
+        pick = choose(self.policy, end, decay, self.replay_warmup, stride)
         if pick is None or (k > 0 and k * b >= pick.begin):
             return None  # nothing within the budget, or a checkpoint inside the window: replay from it, exactly
         exact = pick.bound == 0.0 and not approximate
