@@ -74,3 +74,15 @@ def test_recall_scoring_counts_right_answers_and_only_those(monkeypatch):
     assert scores == {300: {"kv": 0.5, "variables": 0.5}}
     # the prompt handed to the model never contains the answer's own tokens at the end
     assert all(tok.decode(p).endswith("<|assistant|>") or p[-1] == tok.specials["<|assistant|>"] for p in calls)
+
+
+def test_training_continues_from_saved_weights_and_one_log(tmp_path):
+    cfg = TrainConfig(hidden=32, seq_len=96, batch_size=4, steps=25, minutes=5, lr=5e-3, warmup=5, log_every=1)
+    first, _ = train(cfg, tmp_path / "a", progress=lambda line: None)
+    second, _ = train(TrainConfig(**{**cfg.__dict__, "steps": 5}), tmp_path / "b", progress=lambda line: None,
+                      init_from=tmp_path / "a")
+    a = [json.loads(x) for x in (tmp_path / "a" / "training_log.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "b" / "training_log.jsonl").read_text().splitlines()]
+    assert b[:len(a)] == a and [e["step"] for e in b[len(a):]] == [26, 27, 28, 29, 30]
+    assert b[len(a)]["loss"] < a[0]["loss"] - 1.0  # it starts where the first run ended, not from random
+    assert second["steps"] == 30 and second["continued_from"] == str(tmp_path / "a")

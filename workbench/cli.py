@@ -212,6 +212,9 @@ def train_tiny(
     hidden: int = typer.Option(192, "--hidden", min=32),
     seq_len: int = typer.Option(1024, "--seq-len", min=64, help="final length (the curriculum starts at a quarter)"),
     batch_size: int = typer.Option(6, "--batch", min=1, help="final batch (doubled per halved length)"),
+    halvings: int = typer.Option(2, "--halvings", min=0, help="curriculum steps: each halves the length"),
+    lr: float = typer.Option(2e-3, "--lr", min=0.0),
+    init_from: Path | None = typer.Option(None, "--init-from", help="continue from this model folder's weights"),
 ) -> None:
     """Train hcw-tiny (every layer kind) on the synthetic recall data, on this machine's CPU."""
     from workbench.tiny.train import TrainConfig, train
@@ -219,7 +222,8 @@ def train_tiny(
     if hidden % 32:
         _fail("--hidden must be a multiple of 32")
     summary, _ = train(TrainConfig(hidden=hidden, seq_len=seq_len, batch_size=batch_size, steps=steps,
-                                minutes=minutes, seed=seed), out, progress=lambda line: typer.echo(line, err=True))
+                                minutes=minutes, seed=seed, halvings=halvings, lr=lr), out,
+                       progress=lambda line: typer.echo(line, err=True), init_from=init_from)
     typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}))
 
 

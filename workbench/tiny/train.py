@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.model.hybrid import HybridModel
-from engine.model.loader import save_model
+from engine.model.loader import load_model, save_model
 from engine.model.random_init import hcw_hybrid_dict, init_random
 from engine.tokenizer import ByteTokenizer
 from workbench.tiny.data import batch
@@ -72,12 +72,16 @@ def _losses(logits: torch.Tensor, target: torch.Tensor, answer: torch.Tensor, pa
     return per_token[answer].mean(), per_token[text].mean()
 
 
-def train(cfg: TrainConfig, out: Path, progress=print) -> tuple[dict, HybridModel]:
-    """Train and save; returns (summary, the trained model)."""
+def train(cfg: TrainConfig, out: Path, progress=print, init_from: Path | None = None) -> tuple[dict, HybridModel]:
+    """Train and save; returns (summary, the trained model). With `init_from`, start from that
+    model folder's weights (same configuration) instead of random ones."""
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     raw = cfg.model_dict()
     model = init_random(HybridModel(ModelConfig.from_dict(raw)), cfg.seed).train()
+    if init_from is not None:  # continue from a saved model of the same configuration
+        model.load_state_dict(load_model(init_from, device="cpu").state_dict())
+        model.requires_grad_(True)
     params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     other = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -87,6 +91,13 @@ def train(cfg: TrainConfig, out: Path, progress=print) -> tuple[dict, HybridMode
     pad = ByteTokenizer().specials["<|pad|>"]
     log_path = out / "training_log.jsonl"
     log = log_path.open("w")
+    step_offset, seconds_offset = 0, 0.0
+    if init_from is not None and (Path(init_from) / "training_log.jsonl").is_file():
+        # one curve for the whole run: the earlier run's log first, this one's steps after it
+        for line in (Path(init_from) / "training_log.jsonl").read_text().splitlines():
+            log.write(line + "\n")
+            entry = json.loads(line)
+            step_offset, seconds_offset = entry["step"], entry["elapsed_s"]
     t0 = time.perf_counter()
     budget = cfg.minutes * 60
     step = 0
@@ -112,14 +123,14 @@ def train(cfg: TrainConfig, out: Path, progress=print) -> tuple[dict, HybridMode
         step += 1
         history.append(loss.item())
         if step % cfg.log_every == 0 or step == 1:
-            entry = {"step": step, "loss": sum(history[-cfg.log_every:]) / len(history[-cfg.log_every:]), "lr": lr,
-                     "seq_len": seq_len, "elapsed_s": time.perf_counter() - t0}
+            entry = {"step": step_offset + step, "loss": sum(history[-cfg.log_every:]) / len(history[-cfg.log_every:]),
+                     "lr": lr, "seq_len": seq_len, "elapsed_s": seconds_offset + time.perf_counter() - t0}
             log.write(json.dumps(entry) + "\n")
             log.flush()
             progress(f"step {step}  loss {entry['loss']:.4f}  lr {lr:.2e}  len {seq_len}  {entry['elapsed_s']:.0f}s")
     log.close()
     save_model(model, raw, out)
-    summary = {"steps": step, "params": params, "final_loss": sum(history[-20:]) / max(1, len(history[-20:])),
-               "seconds": time.perf_counter() - t0, "config": {k: v for k, v in cfg.__dict__.items()}}
+    summary = {"steps": step_offset + step, "params": params, "continued_from": str(init_from) if init_from else None, "final_loss": sum(history[-20:]) / max(1, len(history[-20:])),
+               "seconds": seconds_offset + time.perf_counter() - t0, "config": {k: v for k, v in cfg.__dict__.items()}}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2, default=list) + "\n")
     return summary, model.eval()
