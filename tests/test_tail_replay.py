@@ -186,10 +186,15 @@ def test_the_recorded_norm_bound_holds_and_chunking_does_not_change_it(replayabl
     whole, chunked = engine.new_state(), engine.new_state()
     engine.prefill(prefix, whole)
     engine.prefill(prefix, chunked, chunk_size=7)
+    decoded = engine.new_state()
+    engine.prefill(prefix[:90], decoded)
+    for token in prefix[90:]:
+        engine.decode(token, decoded)
     for i in _gdn_layers(replayable):
-        a, b = whole.layers[i], chunked.layers[i]
-        assert a.stats_end == b.stats_end == 100
+        a, b, c = whole.layers[i], chunked.layers[i], decoded.layers[i]
+        assert a.stats_end == b.stats_end == c.stats_end == 100
         assert torch.allclose(a.stats[:, :100], b.stats[:, :100], rtol=1e-4, atol=1e-6)
+        assert torch.allclose(a.stats[:, :100], c.stats[:, :100], rtol=1e-4, atol=1e-6)
         true_norm = a.recurrent.flatten(2).norm(dim=-1)  # [B, H] Frobenius per head
         assert (true_norm <= a.stats[:, 99, :, 1] + 1e-6).all()
 

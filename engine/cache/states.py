@@ -188,12 +188,15 @@ class GDNState:
         when they continue the recorded ones; a replay of earlier positions records nothing."""
         if start != self.stats_end:
             return
-        g64, x64 = g.double(), x.double()
-        cum = g64.cumsum(1)  # G_t: log-decay from the chunk start through t
-        # N_t = exp(G_t) N_0 + sum_{s<=t} exp(G_t - G_s) x_s, the sum through logcumsumexp
-        tail = torch.logcumsumexp(torch.log(x64.clamp_min(1e-300)) - cum, dim=1)
-        n = torch.exp(cum) * self.norm[:, None] + torch.exp(cum + tail)
-        n = n * (1 + 1e-6)  # rounding up keeps it an upper bound after float32 storage
+        if g.shape[1] == 1:  # decode: the recurrence itself, three small ops
+            n = (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()).unsqueeze(1) * (1 + 1e-6)
+        else:
+            g64, x64 = g.double(), x.double()
+            cum = g64.cumsum(1)  # G_t: log-decay from the chunk start through t
+            # N_t = exp(G_t) N_0 + sum_{s<=t} exp(G_t - G_s) x_s, the sum through logcumsumexp
+            tail = torch.logcumsumexp(torch.log(x64.clamp_min(1e-300)) - cum, dim=1)
+            n = (torch.exp(cum) * self.norm[:, None] + torch.exp(cum + tail)) * (1 + 1e-6)
+        # (rounding up by 1e-6 keeps N an upper bound after float32 storage)
         used = self.stats_end - self.stats_start
         need = used + g.shape[1]
         if need > self.stats.shape[1]:
