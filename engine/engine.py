@@ -169,7 +169,7 @@ class Engine:
             self.prefill(fed[state.seq_len:recover_to], state, on_stop=started.capture, next_stop=stops)
             self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
         started.logits = self.prefill(fed[state.seq_len:], state, on_stop=started.capture, next_stop=stops)
-        if plan.usable_tokens and self.cache.should_shadow():
+        if plan.usable_tokens and plan.exact and self.cache.should_shadow():  # approximate plans differ by design
             cold = Engine(self.model, self.config).start(fed)
             if not self.cache.metrics.record_shadow((started.logits - cold.logits).abs().max().item()):
                 # the hit disagreed with a cold prefill: answer from the cold state, forget the records

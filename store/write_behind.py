@@ -48,8 +48,8 @@ class WriteBehind:
     def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
              pieces: dict) -> tuple[bool, str]:
         with self._cond:
-            if self._closed:
-                return False, "io: the write-behind queue is closed"
+            if self._closed or not self._thread.is_alive():
+                return False, "io: the write-behind writer is not running"
             if key in self._pending:
                 old = self._pending[key]
                 pieces = {**old[5], **pieces}
@@ -86,7 +86,8 @@ class WriteBehind:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is written (True) or `timeout` passes (False)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and self._writing is None, timeout)
+            return self._cond.wait_for(lambda: (not self._pending and self._writing is None)
+                                       or not self._thread.is_alive(), timeout) and not self._pending
 
     def take_failures(self) -> list[tuple[bytes, str]]:
         with self._cond:
@@ -102,8 +103,10 @@ class WriteBehind:
         self.tier.close()
 
     def _run(self) -> None:
-        writer = DiskTier(self.tier.path, self._layout)  # its own connection: transactions never interleave
-        self._ready.set()
+        try:
+            writer = DiskTier(self.tier.path, self._layout)  # its own connection: transactions never interleave
+        finally:
+            self._ready.set()  # (if opening failed the thread ends: saves then report that it is not running)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._order or self._closed)
@@ -111,7 +114,10 @@ class WriteBehind:
                     break
                 key = self._order.popleft()
                 args = self._writing = self._pending.pop(key)
-            ok, why = writer.save(*args)
+            try:
+                ok, why = writer.save(*args)
+            except Exception as e:  # noqa: BLE001 - whatever a save raises is a failed write, reported; the writer lives on
+                ok, why = False, f"unexpected: {type(e).__name__}: {e}"
             with self._cond:
                 self._writing = None
                 if ok:

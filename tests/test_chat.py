@@ -181,3 +181,27 @@ def test_replay_budget_parsing():
     for bad in ("zero", "0", "-1", "150%"):
         with pytest.raises(ValueError, match="replay-budget"):
             parse_budget(bad)
+
+
+def test_a_turn_that_cannot_run_leaves_the_thread_as_it_was(tmp_path):
+    small = write_random_model(tmp_path / "small", hcw_hybrid_dict(hidden=64, max_positions=160), seed=2)
+    s = ChatSession(ChatOptions(model=small, db=tmp_path / "s.db", block_size=16, max_new_tokens=4))
+    before = [m.id for m in s.path()]
+    with pytest.raises(ValueError, match="context limit"):
+        s.send("x" * 300)
+    assert [m.id for m in s.path()] == before  # nothing half-stored
+    r = s.send("hi")
+    assert [m.role for m in s.path()] == ["system", "user", "assistant"] and r.message is not None
+
+
+def test_a_turn_that_fails_mid_generation_is_rolled_back(model_dir, tmp_path, monkeypatch):
+    s = _session(model_dir, tmp_path / "r.db")
+    s.send(FACT)
+    before = [m.id for m in s.path()]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(s.engine, "generate", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        s.send("What is the code for Mira?")
+    assert [m.id for m in s.path()] == before

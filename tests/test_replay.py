@@ -62,6 +62,9 @@ def test_a_failed_expectation_exits_1_and_says_why(model_dir, tmp_path):
     ("not json", "not JSON"), ('{"op": "dance"}', "needs an \"op\""), ('{"op": "user"}', "user needs text"),
     ('{"op": "user", "text": "x", "expect": {"vibes": 1}}', "unknown expectations"),
     ('{"op": "user", "text": "x"}\n{"op": "config", "model": "m"}', "config must be the first step"),
+    ('{"op": "config", "reuse": "bogus"}\n{"op": "user", "text": "x"}', "--reuse must be one of"),
+    ('{"op": "config", "reuse": "approximate", "replay_budget": "lots"}\n{"op": "user", "text": "x"}',
+     "not a fraction"),
 ])
 def test_bad_scripts_are_refused_before_anything_runs(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"

@@ -148,6 +148,30 @@ def test_layers_with_windows_are_not_replayed_approximately():
     assert run.plan.replay_from is None and run.plan.exact and diff <= 1e-4
 
 
+def test_a_recurrent_budget_never_trims_what_exact_reuse_needs(qwen):
+    """Decay statistics are optional (their own cache group); trimming recurrent states under a
+    group budget must leave exact reuse from the remaining checkpoints."""
+    cfg = CacheConfig(block_size=B, checkpoint_every=2, group_budgets=(("recurrent", 60_000),))
+    engine = Engine(qwen, cache=PrefixCache(qwen, cfg))
+    prompt = _prompts(qwen.config.vocab_size)[0]
+    engine.start(prompt).finish()
+    run = engine.start(prompt + [3, 4, 5])
+    assert run.plan.usable_tokens > 0 and not any("decay" in f for f in run.plan.failures)
+    assert (run.logits - Engine(qwen).start(prompt + [3, 4, 5]).logits).abs().max().item() <= 1e-4
+
+
+def test_statistics_are_kept_only_for_the_cache_and_trimmed_as_segments_are_exported(qwen):
+    engine = Engine(qwen)
+    plain = engine.new_state()
+    engine.prefill(list(range(100)), plain)
+    gdn = [layer for layer in plain.layers if hasattr(layer, "tracking")]
+    assert all(layer.stats_end == 0 for layer in gdn)  # no cache, no statistics
+    cache = PrefixCache(qwen, CacheConfig(block_size=B, checkpoint_every=1))
+    run = Engine(qwen, cache=cache).start(list(range(100)))
+    for layer in (x for x in run.state.layers if hasattr(x, "tracking")):
+        assert layer.stats_end == 100 and layer.stats_start == 96  # exported through the last boundary
+
+
 def test_bad_budgets_and_policies_are_refused():
     with pytest.raises(ValueError, match="budget must be > 0"):
         CacheConfig(reuse="approximate", replay_budget=0)
@@ -183,10 +207,10 @@ def _gdn_layers(model):
 def test_the_recorded_norm_bound_holds_and_chunking_does_not_change_it(replayable):
     prefix = _prompts(replayable.config.vocab_size)[0][:100]
     engine = Engine(replayable)
-    whole, chunked = engine.new_state(), engine.new_state()
+    whole, chunked = engine.new_state().track_statistics(), engine.new_state().track_statistics()
     engine.prefill(prefix, whole)
     engine.prefill(prefix, chunked, chunk_size=7)
-    decoded = engine.new_state()
+    decoded = engine.new_state().track_statistics()
     engine.prefill(prefix[:90], decoded)
     for token in prefix[90:]:
         engine.decode(token, decoded)
@@ -208,7 +232,7 @@ def test_the_bound_holds_for_every_layer_given_its_inputs(replayable):
     hooks = [replayable.layers[i].mixer.register_forward_pre_hook(
         lambda mod, args, i=i: inputs.__setitem__(i, args[0])) for i in _gdn_layers(replayable)]
     engine = Engine(replayable)
-    exact = engine.new_state()
+    exact = engine.new_state().track_statistics()
     engine.prefill(prefix, exact)
     for h in hooks:
         h.remove()
@@ -234,7 +258,7 @@ def test_the_first_gdn_layer_is_certified_through_the_whole_model(replayable):
 
     prefix = _prompts(replayable.config.vocab_size)[0][:112]
     engine = Engine(replayable)
-    exact = engine.new_state()
+    exact = engine.new_state().track_statistics()
     engine.prefill(prefix, exact)
     first = _gdn_layers(replayable)[0]
     bound = bounds(exact.layers[first].stats[:, :112])
@@ -250,7 +274,7 @@ def test_the_first_gdn_layer_is_certified_through_the_whole_model(replayable):
         assert error <= bound[s].item() + 1e-6
 
 
-def test_adaptive_replay_picks_per_layer_the_shortest_replay_within_tolerance(replayable):
+def test_adaptive_replay_picks_the_shortest_replay_within_tolerance_in_every_layer(replayable):
     plans = {}
     for tolerance in (1e-1, 1e-3, 1e-6):
         cache = PrefixCache(replayable, CacheConfig(block_size=B, checkpoint_every=100, reuse="approximate",
@@ -263,6 +287,7 @@ def test_adaptive_replay_picks_per_layer_the_shortest_replay_within_tolerance(re
         plans[tolerance] = run.plan
         assert run.plan.replay_from is not None and run.plan.replay_bound <= tolerance
         assert {layer for layer, _ in run.plan.replay_starts} == set(_gdn_layers(replayable))
+        assert len({start for _, start in run.plan.replay_starts}) == 1  # one restart: the earliest any layer needs
         assert "error bound" in run.plan.summary()["objects"][1]["path"] or run.plan.exact
     # a tighter tolerance never replays less
     lengths = [plans[t].replay_tokens for t in (1e-1, 1e-3, 1e-6)]

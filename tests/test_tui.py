@@ -5,6 +5,7 @@ and cancel work from the prompt; quitting keeps every answered turn."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -67,6 +68,40 @@ def test_turns_update_every_pane(model_dir, tmp_path):
             assert app.session.thread.name == "side"
             labels = [str(n.label) for n in app.query_one(BranchTree).root.children[0].children]
             assert labels  # the system message has children in the tree
+    asyncio.run(scenario())
+
+
+def test_quit_while_generating_cancels_first_and_keeps_the_partial_answer(model_dir, tmp_path):
+    db = tmp_path / "q.db"
+
+    async def scenario():
+        app = _app(model_dir, db)
+        app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=400)
+        async with app.run_test(size=(160, 50)) as pilot:
+            app.run_command(FACT)
+            await pilot.press("ctrl+q")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+        return app.session.conversation.id
+
+    conversation = asyncio.run(scenario())
+    again = ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, session=conversation))
+    path = again.path()
+    assert [m.role for m in path] == ["system", "user", "assistant"]
+    assert json.loads(again.store.db.execute("SELECT meta FROM messages WHERE id = ?",
+                                             [path[-1].id]).fetchone()[0])["stop_reason"] == "cancelled"
+
+
+def test_an_edit_from_the_prompt_shows_the_new_answer(model_dir, tmp_path):
+    async def scenario():
+        app = _app(model_dir, tmp_path / "e.db")
+        async with app.run_test(size=(160, 50)) as pilot:
+            await _say(app, pilot, FACT)
+            await _say(app, pilot, "/edit 1 goodbye")
+            views = list(app.query(MessageView))
+            path = app.session.path()
+            assert [v.source for v in views] == [m.content for m in path]
+            assert path[1].content == "goodbye" and path[-1].role == "assistant"
     asyncio.run(scenario())
 
 

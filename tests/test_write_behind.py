@@ -108,3 +108,23 @@ def test_a_failed_background_write_is_reported_and_the_segment_forgotten(tmp_pat
     assert run.plan.usable_tokens == 0
     assert (run.logits - Engine(model).start(prompt + [1, 2]).logits).abs().max().item() <= 1e-4
     wb.close()
+
+
+def test_an_exception_in_a_background_write_is_a_reported_failure_not_a_dead_writer(tmp_path, monkeypatch):
+    calls = []
+
+    def explode(self, *args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("encoder blew up")
+        return DiskTier._real_save(self, *args)
+    monkeypatch.setattr(DiskTier, "_real_save", DiskTier.save, raising=False)
+    monkeypatch.setattr(DiskTier, "save", explode)
+    wb = WriteBehind(tmp_path / "x.db", LAYOUT)
+    wb.save(b"a" * 16, b"\x00" * 16, 0, bytes(128), LAYOUT, _pieces(1))
+    assert wb.flush(timeout=30)
+    assert [why for _, why in wb.take_failures()] == ["unexpected: RuntimeError: encoder blew up"]
+    assert wb.save(b"b" * 16, b"\x00" * 16, 1, bytes(128), LAYOUT, _pieces(2)) == (True, "")
+    assert wb.flush(timeout=30) and wb.saved == 1  # the writer lived on
+    wb.close()
+    assert wb.save(b"c" * 16, b"\x00" * 16, 2, bytes(128), LAYOUT, _pieces(3))[0] is False

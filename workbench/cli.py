@@ -92,7 +92,7 @@ def replay(
             if not as_json:
                 typer.echo(f"{f}:")
             reports.append(replay_file(f, db, model, None if as_json else typer.echo))
-    except (ScriptError, ConfigError) as e:
+    except (ScriptError, ConfigError, RuntimeError) as e:  # RuntimeError: a restarted process failed
         _fail(str(e))
     failed = sum(r["failed"] for r in reports)
     if as_json:

@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.session import ChatOptions, ChatSession, TurnResult
+from workbench.session import ChatOptions, ChatSession, TurnResult, parse_budget
 
 OPS = {"config", "user", "edit", "branch", "fork", "switch", "fault", "restart", "save"}
 CONFIG_KEYS = {"model", "reuse", "replay_budget", "replay_tolerance", "max_new_tokens", "block_size", "checkpoint_every", "system"}
@@ -82,6 +82,10 @@ def parse(path: Path) -> list[tuple[int, dict]]:
         steps.append((no, step))
     if not steps:
         raise ScriptError(f"{path}: no steps")
+    try:
+        options(steps, None, None)  # the config's values, checked now rather than mid-run
+    except (ValueError, TypeError) as e:
+        raise ScriptError(f"{path}: config: {e}") from None
     return steps
 
 
@@ -90,6 +94,8 @@ def options(steps: list[tuple[int, dict]], db: Path, model: str | None, session:
     if model is not None:
         cfg["model"] = model
     cfg.setdefault("max_new_tokens", 32)
+    if isinstance(cfg.get("replay_budget"), str):  # "5%", "0.05", "512", "adaptive", as on the command line
+        cfg["replay_budget"] = parse_budget(cfg["replay_budget"])
     return ChatOptions(db=db, session=session, **cfg)
 
 

@@ -227,8 +227,16 @@ class ChatSession:
         appended and the cache saved."""
         if not text.strip():
             raise ValueError("an empty message")
+        messages = [{"role": m.role, "content": m.content} for m in self.path()] + [{"role": "user", "content": text}]
+        self.engine.check_prompt(self.tok.apply_chat_template(messages, add_generation_prompt=True))  # before storing
+        tip = self.store.thread(self.thread.id).tip
         self.store.append(self.thread.id, "user", text, tokens=len(self.tok.encode(text)))
-        return self._answer(on_text, should_stop)
+        try:
+            return self._answer(on_text, should_stop)
+        except BaseException:
+            # no answer, no turn: the thread goes back to where it was (the row stays, on no path)
+            self.store.set_tip(self.thread.id, tip)
+            raise
 
     def regenerate(self, on_text=None, should_stop=None) -> TurnResult:
         """Answer the thread's last user message again (after an edit or a switch)."""

@@ -31,7 +31,7 @@ from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerp
 from engine.cache.state_table import StateTable
 from engine.cache.states import ModelState, Piece
 from engine.cache.replay import ReplayPolicy
-from engine.cache.validation import Requirement, ReusePlan, Validator, check_buffer
+from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator, check_buffer
 from engine.events import CacheLookup
 from engine.metrics import CacheMetrics
 
@@ -119,7 +119,8 @@ class PrefixCache:
         self.table.on_evict = self._evicted
         self.template_pieces = [s.export(0, 0) for s in self.template.layers]
         reqs = [Requirement(i, kind, piece.per_segment)
-                for i, pieces in enumerate(self.template_pieces) for kind, piece in pieces.items()]
+                for i, pieces in enumerate(self.template_pieces) for kind, piece in pieces.items()
+                if kind not in OPTIONAL_KINDS]
         warmup = max((p["conv"].data.shape[-1] for p in self.template_pieces if "conv" in p), default=0)
         self.validator = Validator(self.config.block_size, self.layout, reqs, self.config.replay_policy, warmup)
         self.metrics = CacheMetrics()
@@ -169,8 +170,9 @@ class PrefixCache:
             return
         deadline = time.monotonic() + self.config.lower_deadline_s + self.config.lower_deadline_per_token_s * prompt_len
         for node in segments:
-            if node.key in self.table:
-                continue
+            held = self.table.get(node.key)
+            if held is not None and (held.exact or self.config.reuse == "approximate"):
+                continue  # (an approximate record does not hide the exact copy below from an exact lookup)
             pieces, why = self.lower.load(node.key, deadline)
             if pieces is None:
                 reasons.append(f"lower tier: segment {node.index}: {why}; recomputed from there")
@@ -242,7 +244,7 @@ class PrefixCache:
         event = CacheLookup(step, plan, "; ".join(abandoned))
         self.events.append(event)
         self.metrics.record(event)
-        return plan, state, ticket
+        return plan, state.track_statistics(), ticket
 
     def _cold_plan(self, tokens: Sequence[int], match) -> ReusePlan:
         """A plan that reuses nothing although `match` was a hit: it counts as degraded."""
@@ -273,6 +275,9 @@ class PrefixCache:
                 pieces = {}
                 for kind, tp in self.template_pieces[i].items():
                     owners = records if tp.per_segment else records[-1:]
+                    if kind in OPTIONAL_KINDS and not all((i, kind) in r.pieces for r in owners):
+                        pieces[kind] = None
+                        continue
                     for rec in owners:
                         piece = rec.pieces[(i, kind)]
                         end = (rec.index + 1) * self.block_size

@@ -22,7 +22,9 @@ ROUTES: dict[str, Route] = {
     "recurrent": Route("replay from the nearest earlier checkpoint", False, "recurrent"),
     "conv": Route("replay from the nearest earlier checkpoint", False, "recurrent"),
     # per-token decay statistics (Tail-Replay's error bound): recompute the segments missing them
-    "decay": Route("recompute from the first segment missing decay statistics", True, "recurrent"),
+    # (only approximate plans need them: exact reuse goes on without; their own group, so a
+    # recurrent-state budget never trims them)
+    "decay": Route("recompute from the first segment missing decay statistics", True, "statistics"),
     # token-addressable KV: recompute the tokens of the first segment whose KV is gone
     "kv": Route("recompute from the first segment missing KV", True, "full_kv"),
     # compressed entries are rebuilt only from the layer's inputs, which are not kept: recompute

@@ -24,9 +24,9 @@ import torch
 class ReplayPolicy:
     """exact: resume at the nearest earlier checkpoint and recompute from there. approximate
     (Tail-Replay): replay at most `budget` tokens (a fraction of the matched prefix if < 1, else
-    a token count; None: no cap) from a zero state; with `tolerance`, per GDN layer the shortest
-    replay whose certified bound is below it (adaptive). An exact checkpoint inside the window
-    is always used instead."""
+    a token count; None: no cap) from a zero state; with `tolerance`, the shortest replay whose
+    certified bound is below it in every GDN layer (adaptive). An exact checkpoint inside the
+    window is always used instead."""
 
     mode: str = "exact"  # exact | approximate
     budget: float | None = 0.05
@@ -65,8 +65,8 @@ def bounds(decay: torch.Tensor) -> torch.Tensor:
     suffix = torch.zeros(g.shape[0], p + 1, g.shape[2], dtype=torch.float64, device=g.device)
     suffix[:, :p] = g.flip(1).cumsum(1).flip(1)
     before = torch.cat([torch.zeros_like(n[:, :1]), n], dim=1)  # N_{s-1}, with N_{-1} = 0
-    out = (before * torch.exp(suffix)).amax(dim=(0, 2))
-    return out * (1 + 1e-6)
+    out = torch.nan_to_num(before * torch.exp(suffix), nan=float("inf"))  # an unknown norm (inf) stays unknown
+    return out.amax(dim=(0, 2)) * (1 + 1e-6)
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,16 @@ def choose(policy: ReplayPolicy, end: int, layer_decay: dict[int, torch.Tensor],
     cap = policy.tokens(end)
     per_layer = {layer: bounds(d) for layer, d in layer_decay.items()}
     if policy.adaptive:
-        # the latest start (shortest replay) whose bound is within tolerance; start 0 always is
-        groups = {layer: int(torch.nonzero(b <= policy.tolerance).max()) for layer, b in per_layer.items()}
+        # per layer the latest start (shortest replay) whose bound is within tolerance (start 0
+        # always is); the model runs from the earliest of them for every layer anyway, and a
+        # bound never grows as the start moves earlier, so every layer restarts there
+        first = min((int(torch.nonzero(b <= policy.tolerance).max()) for b in per_layer.values()), default=end // stride)
     else:
         first = -(-max(0, end - cap + warmup) // stride)  # the first group boundary inside the budget
         if first * stride > end:
             return None
-        groups = {layer: first for layer in per_layer}
-    begin = max(0, min(groups.values(), default=end // stride) * stride - warmup)
+    groups = {layer: first for layer in per_layer}
+    begin = max(0, first * stride - warmup)
     if cap is not None and end - begin > cap:
         return None
     return ReplayChoice(begin, end, tuple((layer, g * stride) for layer, g in sorted(groups.items())),

@@ -170,6 +170,7 @@ class GDNState:
     stats_start: int = 0
     stats_end: int = 0
     norm: torch.Tensor = None  # [B, Hv] float64: N at stats_end
+    tracking: bool = False  # only a state the prefix cache records keeps statistics
 
     def __post_init__(self) -> None:
         b, heads = self.recurrent.shape[:2]
@@ -186,7 +187,7 @@ class GDNState:
     def record(self, start: int, g: torch.Tensor, x: torch.Tensor) -> None:
         """Append the statistics of positions start.. (g: log-decay, x: beta * |v|, [B, T, Hv])
         when they continue the recorded ones; a replay of earlier positions records nothing."""
-        if start != self.stats_end:
+        if not self.tracking or start != self.stats_end:
             return
         if g.shape[1] == 1:  # decode: the recurrence itself, three small ops
             n = (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()).unsqueeze(1) * (1 + 1e-6)
@@ -209,12 +210,22 @@ class GDNState:
         self.norm = n[:, -1]
         self.stats_end += g.shape[1]
 
-    def resume_stats(self, seq_len: int, decay_pieces: list[torch.Tensor]) -> None:
-        """Continue the statistics at seq_len from the segments' recorded ones (after assembly)."""
+    def resume_stats(self, seq_len: int, decay_pieces: list[torch.Tensor] | None) -> None:
+        """Continue the statistics at seq_len from the segments' recorded ones (after assembly);
+        without them the norm is unknown (inf), and no replay from this prefix is ever certified."""
         self.stats = self.stats[:, :0]
         self.stats_start = self.stats_end = seq_len
-        last = next((p for p in reversed(decay_pieces) if p.shape[1]), None)
-        self.norm = last[:, -1, :, 1].double() if last is not None else torch.zeros_like(self.norm)
+        last = next((p for p in reversed(decay_pieces) if p.shape[1]), None) if decay_pieces else None
+        if last is not None:
+            self.norm = last[:, -1, :, 1].double()
+        else:
+            self.norm = torch.full_like(self.norm, 0.0 if seq_len == 0 else float("inf"))
+
+    def _forget_stats_before(self, pos: int) -> None:
+        """Segments are exported in order, once: what precedes the last export is not needed again."""
+        if pos > self.stats_start:
+            self.stats = self.stats[:, pos - self.stats_start:self.stats_end - self.stats_start].clone()
+            self.stats_start = pos
 
     def nbytes(self) -> int:
         return _nbytes(self.conv) + _nbytes(self.recurrent) + _nbytes(self.stats)
@@ -240,6 +251,7 @@ class GDNState:
             seg = self.stats[:, lo - self.stats_start:hi - self.stats_start]
             seg = seg.reshape(seg.shape[0], n // stride, stride, *seg.shape[2:])
             out["decay"] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1))
+            self._forget_stats_before(hi)
         if snapshots:
             out["recurrent"] = Piece(False, self.recurrent.clone())
             out["conv"] = Piece(False, self.conv.clone())
@@ -247,7 +259,7 @@ class GDNState:
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:
         state = GDNState(conv=pieces["conv"].clone(), recurrent=pieces["recurrent"].clone())
-        state.resume_stats(seq_len, pieces["decay"])
+        state.resume_stats(seq_len, pieces.get("decay"))
         return state
 
 
@@ -258,6 +270,13 @@ class ModelState:
     layers: list[KVState | GDNState | V4AttnState]
     seq_len: int = 0
     extra: dict = field(default_factory=dict)
+
+    def track_statistics(self) -> ModelState:
+        """Have every layer that keeps statistics for the cache (GDN decay) record them."""
+        for layer in self.layers:
+            if hasattr(layer, "tracking"):
+                layer.tracking = True
+        return self
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers)

@@ -83,6 +83,7 @@ class ReusePlan:
 
 
 GDN_KINDS = frozenset({"recurrent", "conv"})
+OPTIONAL_KINDS = frozenset({"decay"})  # statistics only an approximate plan needs: never a requirement
 
 
 @dataclass(frozen=True)

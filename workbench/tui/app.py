@@ -54,6 +54,7 @@ class ChatApp(App):
         self.session = session
         self.cancel = threading.Event()
         self.busy = False
+        self.quitting = False
         self.last: TurnResult | None = None
 
     def compose(self) -> ComposeResult:
@@ -119,9 +120,10 @@ class ChatApp(App):
             self.log_line(f"error: {e.args[0] if e.args else e}")
             return
         if quit_now:
-            self.exit()
+            self.action_quit()
             return
-        self.refresh_views(messages=True)
+        if not self.busy:  # a command that answers (/edit) redraws when its turn is done
+            self.refresh_views(messages=True)
 
     def _answer_command(self, run) -> None:
         """plain's commands that answer (/edit) hand over a run(on_text) callable."""
@@ -155,14 +157,29 @@ class ChatApp(App):
         self.query_one(ValidationPanel).show(result)
         self.query_one(ReplayBudget).add(result)
         self.log_line(plain.status_line(result))
-        self.refresh_views(messages=result.stop_reason == "cancelled")
+        self._after_turn()
 
     def turn_failed(self, error: Exception) -> None:
         self.busy = False
         self.log_line(f"error: {error}")
+        self._after_turn()
+
+    def _after_turn(self) -> None:
+        if self.quitting:
+            self.exit()
+            return
         self.refresh_views(messages=True)
 
     # ---- actions -----------------------------------------------------------------------
+    def action_quit(self) -> None:
+        """Quit; a generation in flight is cancelled first and its partial answer kept."""
+        if self.busy:
+            self.quitting = True
+            self.cancel.set()
+            self.log_line("cancelling, then quitting…")
+            return
+        self.exit()
+
     def action_cancel(self) -> None:
         if self.busy:
             self.cancel.set()
