@@ -205,3 +205,52 @@ def test_a_turn_that_fails_mid_generation_is_rolled_back(model_dir, tmp_path, mo
     with pytest.raises(RuntimeError, match="device lost"):
         s.send("What is the code for Mira?")
     assert [m.id for m in s.path()] == before
+
+
+def test_hcw_chat_refuses_a_bad_database_and_an_unknown_session(model_dir, tmp_path):
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("this is not SQLite " * 100)
+    res = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--db", str(not_a_db), "--plain"], input="hi\n")
+    assert res.exit_code == 2 and "cannot open the workbench database" in res.stderr
+    res = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--db", str(tmp_path / "ok.db"),
+                                   "--session", "abcdef", "--plain"], input="hi\n")
+    assert res.exit_code == 2 and "abcdef" in res.stderr
+
+
+def test_hcw_chat_in_a_real_terminal(model_dir, tmp_path):
+    """The TUI in tmux: type a message, watch the answer and the panes appear on the screen."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    assert shutil.which("tmux"), "the end-to-end test needs tmux"
+    name = f"hcw-test-{tmp_path.name}"
+    hcw = [sys.executable, "-m", "workbench.cli"]
+    cmd = " ".join(hcw + ["chat", "--model", str(model_dir), "--db", str(tmp_path / "t.db"), "--max-new-tokens", "4"])
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "160", "-y", "45", cmd], check=True)
+
+    def screen() -> str:
+        return subprocess.run(["tmux", "capture-pane", "-t", name, "-p"], capture_output=True, text=True).stdout
+
+    def wait_for(text: str, limit: float = 60.0) -> str:
+        end = time.monotonic() + limit  # a bound on waiting for the screen, not a speed check
+        while time.monotonic() < end:
+            shown = screen()
+            if text in shown:
+                return shown
+            time.sleep(0.3)
+        raise AssertionError(f"{text!r} never appeared:\n{screen()}")
+
+    try:
+        wait_for("segment states")
+        subprocess.run(["tmux", "send-keys", "-t", name, "The code for Mira is 4821.", "Enter"], check=True)
+        shown = wait_for("outcome: miss")
+        assert "2 · assistant" in shown and "turns 1" in shown
+        subprocess.run(["tmux", "send-keys", "-t", name, "C-q"], check=True)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and name in subprocess.run(["tmux", "ls"], capture_output=True,
+                                                                 text=True).stdout:
+            time.sleep(0.3)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)

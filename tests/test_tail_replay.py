@@ -189,7 +189,7 @@ def _trained_replayable(tmp_path_factory):
     """A GDN + full-attention hcw_hybrid after a few training steps (decays no longer random)."""
     from workbench.tiny.train import TrainConfig, train
 
-    cfg = TrainConfig(hidden=64, seq_len=96, batch_size=4, steps=12, minutes=5, warmup=2, log_every=100,
+    cfg = TrainConfig(hidden=64, seq_len=96, batch_size=4, steps=12, minutes=5, warmup=2, log_every=100, halvings=0,
                       layers=("linear_attention", "full_attention", "linear_attention", "full_attention"))
     _, model = train(cfg, tmp_path_factory.mktemp("trained"), progress=lambda line: None)
     return model.requires_grad_(False)

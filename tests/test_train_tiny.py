@@ -34,7 +34,8 @@ def test_data_is_deterministic_for_a_seed_and_fits_the_batch():
 
 
 def test_a_few_training_steps_lower_the_loss_and_the_checkpoint_round_trips(tmp_path):
-    cfg = TrainConfig(hidden=32, seq_len=96, batch_size=4, steps=30, minutes=5, lr=5e-3, warmup=5, log_every=1)
+    cfg = TrainConfig(hidden=32, seq_len=96, batch_size=4, steps=30, minutes=5, lr=5e-3, warmup=5, log_every=1,
+                      halvings=0)
     summary, model = train(cfg, tmp_path / "tiny", progress=lambda line: None)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "tiny" / "training_log.jsonl").read_text().splitlines()]
     assert summary["steps"] == 30 and len(losses) == 30
@@ -77,7 +78,8 @@ def test_recall_scoring_counts_right_answers_and_only_those(monkeypatch):
 
 
 def test_training_continues_from_saved_weights_and_one_log(tmp_path):
-    cfg = TrainConfig(hidden=32, seq_len=96, batch_size=4, steps=25, minutes=5, lr=5e-3, warmup=5, log_every=1)
+    cfg = TrainConfig(hidden=32, seq_len=96, batch_size=4, steps=25, minutes=5, lr=5e-3, warmup=5, log_every=1,
+                      halvings=0)
     first, _ = train(cfg, tmp_path / "a", progress=lambda line: None)
     second, _ = train(TrainConfig(**{**cfg.__dict__, "steps": 5}), tmp_path / "b", progress=lambda line: None,
                       init_from=tmp_path / "a")
@@ -86,3 +88,23 @@ def test_training_continues_from_saved_weights_and_one_log(tmp_path):
     assert b[:len(a)] == a and [e["step"] for e in b[len(a):]] == [26, 27, 28, 29, 30]
     assert b[len(a)]["loss"] < a[0]["loss"] - 1.0  # it starts where the first run ended, not from random
     assert second["steps"] == 30 and second["continued_from"] == str(tmp_path / "a")
+
+
+def test_the_curriculum_goes_from_short_to_full_length_at_equal_tokens_per_step():
+    cfg = TrainConfig(seq_len=1024, batch_size=6, halvings=4)
+    phases = [cfg.phase(p) for p in (0.0, 0.19, 0.21, 0.41, 0.61, 0.81, 0.99, 1.0)]
+    assert phases[0] == (64, 96) and phases[-1] == (1024, 6)
+    assert [s for s, _ in phases] == sorted(s for s, _ in phases)
+    assert len({s * b for s, b in phases}) == 1
+
+
+def test_tables_are_dense_recall_with_their_facts_kept():
+    tok = ByteTokenizer()
+    for seq in (64, 128):
+        ids, mask = batch(random.Random(seq), 16, seq, tok, tasks=("table",))
+        for row, m in zip(ids.tolist(), mask.tolist()):
+            text = tok.decode([t for t in row if t != tok.specials["<|pad|>"]])
+            masked = [t for t, x in zip(row, m) if x]
+            answers = tok.decode([t if t != tok.specials["<|end|>"] else ord(" ") for t in masked]).split()
+            facts = text.split("?")[0]
+            assert answers and all(f": {a}." in facts for a in answers)  # every answer was stated before

@@ -187,6 +187,8 @@ def chat(
     from engine.config import ConfigError
     from workbench.session import ChatOptions, ChatSession, parse_budget
 
+    import sqlite3
+
     try:
         opts = ChatOptions(model=model, db=db, session=session, reuse=reuse, max_new_tokens=max_new_tokens,
                            greedy=not sample, replay_budget=(budget := parse_budget(replay_budget)),
@@ -194,6 +196,8 @@ def chat(
         chat_session = ChatSession(opts)
     except (ConfigError, ValueError, KeyError) as e:
         _fail(e.args[0] if e.args else str(e))
+    except (sqlite3.DatabaseError, OSError) as e:
+        _fail(f"cannot open the workbench database {db or '(default)'}: {e}")
     if plain or as_json or not sys.stdin.isatty():
         from workbench.plain import run_plain
 
@@ -209,10 +213,10 @@ def train_tiny(
     minutes: float = typer.Option(85.0, "--minutes", min=0.1, help="time budget"),
     steps: int = typer.Option(100_000, "--steps", min=1, help="step budget"),
     seed: int = typer.Option(0, "--seed"),
-    hidden: int = typer.Option(192, "--hidden", min=32),
-    seq_len: int = typer.Option(1024, "--seq-len", min=64, help="final length (the curriculum starts at a quarter)"),
+    hidden: int = typer.Option(128, "--hidden", min=32),
+    seq_len: int = typer.Option(1024, "--seq-len", min=64, help="final length (the curriculum starts shorter)"),
     batch_size: int = typer.Option(6, "--batch", min=1, help="final batch (doubled per halved length)"),
-    halvings: int = typer.Option(2, "--halvings", min=0, help="curriculum steps: each halves the length"),
+    halvings: int = typer.Option(4, "--halvings", min=0, help="curriculum steps: each halves the length"),
     lr: float = typer.Option(2e-3, "--lr", min=0.0),
     init_from: Path | None = typer.Option(None, "--init-from", help="continue from this model folder's weights"),
 ) -> None:

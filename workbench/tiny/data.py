@@ -97,7 +97,17 @@ def variables(rng: random.Random, target_tokens: int, questions: int = 1):
     return [{"role": "user", "content": text}], asks[:questions][::-1]
 
 
-TASKS = {"kv": kv_chat, "multikey": multikey, "variables": variables}
+def table(rng: random.Random, target_tokens: int, questions: int = 1):
+    """Dense associative recall (MQAR-like): a compact list of key: value facts, then questions
+    about many of them, each answered; retrieval gets a signal every few tokens."""
+    n = max(2, min(40, target_tokens // 30))
+    keys = [f"key-{k}" for k in rng.sample(range(1000, 10000), n)]
+    values = {k: _number(rng) for k in keys}
+    text = " ".join(f"{k}: {values[k]}." for k in keys)
+    return [{"role": "user", "content": text}], _ask(rng, [(f"{k}?", values[k]) for k in keys], questions)
+
+
+TASKS = {"kv": kv_chat, "multikey": multikey, "variables": variables, "table": table}
 
 
 def make_example(rng: random.Random, target_tokens: int, tok: ByteTokenizer | None = None,
@@ -122,9 +132,11 @@ def make_example(rng: random.Random, target_tokens: int, tok: ByteTokenizer | No
     return Example(ids, mask, asks[-1][1], kind)
 
 
-def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None = None, max_questions: int = 1):
-    """[size, seq_len] ids and mask, one example per row (1..max_questions questions each), left-aligned,
-    padded right, cut from the left to fit."""
+def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None = None, max_questions: int = 1,
+          tasks: tuple[str, ...] | None = None):
+    """[size, seq_len] ids and mask, one example per row (1..max_questions questions each; a table
+    asks about as many keys as it holds), left-aligned, padded right, cut from the left to fit.
+    `tasks` picks the kinds (repeat one to weight it)."""
     import torch
 
     tok = tok or ByteTokenizer()
@@ -132,7 +144,10 @@ def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None
     ids = torch.full((size, seq_len), pad, dtype=torch.long)
     mask = torch.zeros((size, seq_len), dtype=torch.bool)
     for row in range(size):
-        ex = make_example(rng, int(seq_len * rng.uniform(0.5, 0.9)), tok, questions=rng.randint(1, max_questions))
+        kind = rng.choice(tasks or sorted(TASKS))
+        target = int(seq_len * rng.uniform(0.5, 0.9))
+        questions = max(1, target // 60) if kind == "table" else rng.randint(1, max_questions)
+        ex = make_example(rng, target, tok, kind, questions=questions)
         take = ex.ids[-seq_len:]  # an overlong example keeps its question and answer
         ids[row, :len(take)] = torch.tensor(take)
         mask[row, :len(take)] = torch.tensor(ex.loss_mask[-seq_len:])

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.model.gdn import GatedDeltaNet
 from engine.model.hybrid import HybridModel
 from engine.model.loader import load_model, save_model
 from engine.model.random_init import hcw_hybrid_dict, init_random
@@ -32,14 +33,18 @@ TINY_LAYERS = ("linear_attention", "sliding_attention", "linear_attention", "com
                "linear_attention", "full_attention", "heavily_compressed_attention", "full_attention")
 
 
+SHORT_TASKS_BELOW = 256  # sequence length under which only the dense table task is trained
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    hidden: int = 192
+    hidden: int = 128
     seq_len: int = 1024  # the last phase's length; earlier phases halve it and double the batch
     batch_size: int = 6
-    halvings: int = 2  # curriculum: seq_len/4 for the first third of the run, seq_len/2, then seq_len
+    halvings: int = 4  # curriculum: seq_len/16, /8, /4, /2, then seq_len, an equal share of the run each
     max_questions: int = 6
     text_weight: float = 0.1  # next-token loss on the rest of the text, beside the answers' loss
+    tasks: tuple[str, ...] = ("table", "table", "kv", "multikey", "variables")  # dense recall weighted double
     steps: int = 100_000
     minutes: float = 85.0
     lr: float = 2e-3
@@ -64,6 +69,19 @@ class TrainConfig:
         return raw
 
 
+def _for_training(model: HybridModel, seed: int) -> HybridModel:
+    """init_random draws checkpoint-like ranges; training wants GDN layers that start with a
+    memory: per-head step sizes dt log-uniform in [1e-3, 1e-1] (as Mamba and GDN initialise),
+    so decays exp(-A*dt) start between 0.2 and 0.999 per token instead of near zero."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, GatedDeltaNet):
+                dt = torch.exp(torch.empty(mod.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+                mod.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+    return model
+
+
 def _losses(logits: torch.Tensor, target: torch.Tensor, answer: torch.Tensor, pad: int):
     """(mean loss over answer tokens, mean loss over every other non-pad token)."""
     per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
@@ -78,7 +96,7 @@ def train(cfg: TrainConfig, out: Path, progress=print, init_from: Path | None = 
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     raw = cfg.model_dict()
-    model = init_random(HybridModel(ModelConfig.from_dict(raw)), cfg.seed).train()
+    model = _for_training(init_random(HybridModel(ModelConfig.from_dict(raw)), cfg.seed), cfg.seed).train()
     if init_from is not None:  # continue from a saved model of the same configuration
         model.load_state_dict(load_model(init_from, device="cpu").state_dict())
         model.requires_grad_(True)
@@ -112,7 +130,9 @@ def train(cfg: TrainConfig, out: Path, progress=print, init_from: Path | None = 
             group["lr"] = lr
         progress_frac = max(step / cfg.steps, (time.perf_counter() - t0) / budget)
         seq_len, batch_size = cfg.phase(progress_frac)
-        ids, mask = batch(rng, batch_size, seq_len, max_questions=cfg.max_questions)
+        # short sequences hold only dense tables (a chat's filler would push its facts out)
+        tasks = cfg.tasks if seq_len >= SHORT_TASKS_BELOW else ("table",)
+        ids, mask = batch(rng, batch_size, seq_len, max_questions=cfg.max_questions, tasks=tasks)
         logits = model(ids[:, :-1])
         answer_loss, text_loss = _losses(logits, ids[:, 1:], mask[:, 1:], pad)
         opt.zero_grad(set_to_none=True)
