@@ -94,7 +94,8 @@ class ChatApp(App):
         self.refresh_stats()
 
     def refresh_stats(self) -> None:
-        self.query_one(StatsBar).update(stats_line(self.session.stats.as_dict()))
+        for bar in self.query(StatsBar):  # none while the screen is being torn down (the timer may still fire)
+            bar.update(stats_line(self.session.stats.as_dict()))
 
     def log_line(self, text: str) -> None:
         self.query_one(RichLog).write(text)
