@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -180,7 +180,6 @@ class SessionStats:
     misses: int = 0
     last_ttft_ms: float = 0.0
     last_tokens_per_s: float = 0.0
-    history: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         looked = self.hits + self.degraded + self.misses
@@ -207,7 +206,6 @@ class ChatSession:
         self.engine = Engine(self.model, cache=self.cache)
         self.store = Conversations(self.tier.db)
         self.stats = SessionStats()
-        self.events: list[str] = []  # human-readable log lines (faults, saves, switches)
         if opts.session:
             self.resume(opts.session)
         else:
@@ -280,8 +278,7 @@ class ChatSession:
                 "cached_tokens": lookup.plan.usable_tokens if lookup else 0,
                 "exact": lookup.plan.exact if lookup else True}
         message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta)
-        self.save()  # the engine saves at the request's end; this catches a cancelled one too
-        saved = self.tier.saved - saved_before
+        saved = self.tier.saved - saved_before  # the engine saved (and flushed) at the request's end, cancelled too
         self._count(lookup, ttft, tps)
         budget = (self.cache.validator.policy.tokens(lookup.plan.usable_tokens) or 0) \
             if lookup is not None and self.opts.reuse == "approximate" else 0
@@ -317,10 +314,7 @@ class ChatSession:
 
     def save(self) -> int:
         """Write every segment the disk lacks; returns how many were written."""
-        n = self.cache.save() if self.cache is not None else 0
-        if n:
-            self.events.append(f"saved {n} segment(s) to {self.tier.path.name}")
-        return n
+        return self.cache.save() if self.cache is not None else 0
 
     # ---- branches ------------------------------------------------------------------------
     def edit(self, index: int, text: str) -> Thread:
@@ -332,7 +326,6 @@ class ChatSession:
         if path[index].role != "user":
             raise ValueError(f"message {index} is a {path[index].role} message; only user turns are edited")
         self.thread, _ = self.store.edit(self.thread.id, path[index].id, text)
-        self.events.append(f"edited message {index} on new branch {self.thread.name}")
         return self.thread
 
     def fork(self, index: int | None = None, name: str | None = None) -> Thread:
@@ -342,7 +335,6 @@ class ChatSession:
         if not 0 <= index < len(path):
             raise IndexError(f"no message {index}; the thread has {len(path)}")
         self.thread = self.store.fork(path[index].id, name)
-        self.events.append(f"forked branch {self.thread.name} at message {index}")
         return self.thread
 
     def switch(self, thread: str) -> Thread:
@@ -353,7 +345,6 @@ class ChatSession:
             known = ", ".join(f"{t.name} ({t.id})" for t in threads)
             raise KeyError(f"{'no' if not named else 'more than one'} branch {thread!r}; branches: {known}")
         self.thread = named[0]
-        self.events.append(f"switched to branch {self.thread.name}")
         return self.thread
 
     def resume(self, conversation: str) -> None:
@@ -361,7 +352,6 @@ class ChatSession:
         self.conversation = self.store.conversation(self.store.resolve("conversation", conversation))
         threads = sorted(self.store.threads(self.conversation.id), key=lambda t: t.updated, reverse=True)
         self.thread = threads[0]
-        self.events.append(f"resumed {self.conversation.id} on branch {self.thread.name}")
 
     # ---- faults and views ------------------------------------------------------------------
     def fault(self, name: str) -> int:
@@ -377,7 +367,6 @@ class ChatSession:
         if not records:
             raise ValueError("nothing of this conversation is cached yet: send a message first")
         damaged = FAULTS[name](self, records)
-        self.events.append(f"fault {name.replace('_', '-')}: {damaged} piece(s) damaged")
         return damaged
 
     def segments(self) -> list[SegmentRow]:

@@ -50,10 +50,6 @@ class MatchResult(NamedTuple):
 
 
 class PrefixIndex:
-    # validation layer 1's token comparison. Only a test turns it off, to show what a hash-only hit
-    # (as in engines that trust the hash) does to an answer.
-    verify_tokens = True
-
     def __init__(self, block_size: int, fingerprint: bytes,
                  hash_fn: Callable[[bytes, bytes, Sequence[int]], bytes] = segment_hash):
         if block_size < 1:
@@ -87,7 +83,7 @@ class PrefixIndex:
             node = self.nodes.get(key)
             if node is None:
                 break
-            if self.verify_tokens and node.data != chunk:
+            if node.data != chunk:
                 collisions += 1
                 break
             found.append(node)

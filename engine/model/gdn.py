@@ -55,7 +55,7 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(b, t, self.n_v, self.dv)
         beta = torch.sigmoid(b_in)
         g = -self.A_log.float().exp() * F.softplus(a_in.float() + self.dt_bias.float())
-        if state is not None:
+        if state is not None and state.tracking:  # only a request the cache records pays for statistics
             state.record(start, g, beta.float() * v.float().norm(dim=-1))
 
         initial = None if state is None else state.recurrent
