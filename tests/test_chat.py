@@ -233,20 +233,20 @@ def test_hcw_chat_in_a_real_terminal(model_dir, tmp_path):
     def screen() -> str:
         return subprocess.run(["tmux", "capture-pane", "-t", name, "-p"], capture_output=True, text=True).stdout
 
-    def wait_for(text: str, limit: float = 60.0) -> str:
+    def wait_for(*texts: str, limit: float = 60.0) -> str:
+        """Wait until every text is on the screen at once (panes repaint independently)."""
         end = time.monotonic() + limit  # a bound on waiting for the screen, not a speed check
         while time.monotonic() < end:
             shown = screen()
-            if text in shown:
+            if all(text in shown for text in texts):
                 return shown
             time.sleep(0.3)
-        raise AssertionError(f"{text!r} never appeared:\n{screen()}")
+        raise AssertionError(f"{texts!r} never all appeared:\n{screen()}")
 
     try:
         wait_for("segment states")
         subprocess.run(["tmux", "send-keys", "-t", name, "The code for Mira is 4821.", "Enter"], check=True)
-        shown = wait_for("outcome: miss")
-        assert "2 · assistant" in shown and "turns 1" in shown
+        wait_for("outcome: miss", "2 · assistant", "turns 1")
         subprocess.run(["tmux", "send-keys", "-t", name, "C-q"], check=True)
         end = time.monotonic() + 30
         while time.monotonic() < end and name in subprocess.run(["tmux", "ls"], capture_output=True,
