@@ -27,8 +27,9 @@ def test_every_task_states_its_answer_before_asking_and_masks_only_the_answer():
 
 
 def test_data_is_deterministic_for_a_seed_and_fits_the_batch():
-    a_ids, a_mask = batch(random.Random(7), 3, 200)
-    b_ids, b_mask = batch(random.Random(7), 3, 200)
+    a_ids, a_mask, a_kinds = batch(random.Random(7), 3, 200)
+    b_ids, b_mask, b_kinds = batch(random.Random(7), 3, 200)
+    assert a_kinds == b_kinds and len(a_kinds) == 3
     assert torch.equal(a_ids, b_ids) and torch.equal(a_mask, b_mask)
     assert a_ids.shape == (3, 200) and a_mask.any(dim=1).all()
 
@@ -101,7 +102,7 @@ def test_the_curriculum_goes_from_short_to_full_length_at_equal_tokens_per_step(
 def test_tables_are_dense_recall_with_their_facts_kept():
     tok = ByteTokenizer()
     for seq in (64, 128):
-        ids, mask = batch(random.Random(seq), 16, seq, tok, tasks=("table",))
+        ids, mask, _ = batch(random.Random(seq), 16, seq, tok, tasks=("table",))
         for row, m in zip(ids.tolist(), mask.tolist()):
             text = tok.decode([t for t in row if t != tok.specials["<|pad|>"]])
             masked = [t for t, x in zip(row, m) if x]

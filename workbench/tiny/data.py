@@ -39,7 +39,18 @@ class Example:
     kind: str
 
 
+SYSTEM = "You are a helpful assistant. Remember what the user tells you."
+_BYTES_PER_WORD = sum(len(w) + 1 for w in WORDS) / len(WORDS) + 0.2  # + a sentence's full stop, shared
+
+
+def _filler_words(tokens: int) -> int:
+    """About how many filler words fill `tokens` byte tokens (never negative)."""
+    return max(0, int(tokens / _BYTES_PER_WORD))
+
+
 def _filler(rng: random.Random, n_words: int) -> str:
+    if n_words <= 0:
+        return ""
     words = [rng.choice(WORDS) for _ in range(n_words)]
     out, i = [], 0
     while i < len(words):
@@ -62,39 +73,44 @@ def _ask(rng: random.Random, facts: list[tuple[str, str]], questions: int) -> li
 
 
 def kv_chat(rng: random.Random, target_tokens: int, questions: int = 1):
+    n_facts = rng.randint(1, max(1, min(5, target_tokens // 120)))
     facts = {}
-    for name in rng.sample(NAMES, rng.randint(2, 5)):
+    for name in rng.sample(NAMES, n_facts):
         facts[(name, rng.choice(THINGS))] = _number(rng)
-    turns = [{"role": "system", "content": "You are a helpful assistant. Remember what the user tells you."}]
+    # the system prompt costs ~70 tokens: only chats with room for it carry one
+    turns = [{"role": "system", "content": SYSTEM}] if target_tokens >= 320 else []
     items = list(facts.items())
-    budget = max(0, target_tokens - 60 * len(items) - 80)
+    words = _filler_words(target_tokens - 70 * len(turns) - 50 * len(items) - 40 * questions)
     for (name, thing), value in items:
-        turns.append({"role": "user", "content": f"{_filler(rng, rng.randint(5, 20))} The {thing} for {name} is "
-                                                 f"{value}. {_filler(rng, budget // (5 * len(items)) + 1)}"})
+        before = rng.randint(0, words // (2 * len(items)) + 1)
+        turns.append({"role": "user", "content": f"{_filler(rng, before)} The {thing} for {name} is "
+                                                 f"{value}. {_filler(rng, words // len(items) - before)}".strip()})
         turns.append({"role": "assistant", "content": "Noted."})
     return turns, _ask(rng, [(f"What is the {thing} for {name}?", value) for (name, thing), value in items], questions)
 
 
 def multikey(rng: random.Random, target_tokens: int, questions: int = 1):
-    keys = [f"key-{k}" for k in rng.sample(range(1000, 10000), rng.randint(2, 10))]
+    keys = [f"key-{k}" for k in rng.sample(range(1000, 10000), rng.randint(2, max(2, min(10, target_tokens // 40))))]
     values = {k: _number(rng) for k in keys}
-    chunks = [_filler(rng, max(4, target_tokens // (5 * (len(keys) + 1)))) for _ in range(len(keys) + 1)]
+    words = _filler_words(target_tokens - 32 * len(keys) - 40 * questions - 10)
+    chunks = [_filler(rng, words // (len(keys) + 1)) for _ in range(len(keys) + 1)]
     text = chunks[0]
     for k, chunk in zip(keys, chunks[1:]):
         text += f" The value of {k} is {values[k]}. " + chunk
-    return [{"role": "user", "content": text}], _ask(rng, [(f"What is the value of {k}?", values[k]) for k in keys],
-                                                     questions)
+    return [{"role": "user", "content": " ".join(text.split())}], _ask(
+        rng, [(f"What is the value of {k}?", values[k]) for k in keys], questions)
 
 
 def variables(rng: random.Random, target_tokens: int, questions: int = 1):
-    names = rng.sample([f"V{i}" for i in range(1, 10)], rng.randint(2, 5))
+    names = rng.sample([f"V{i}" for i in range(1, 10)], rng.randint(2, max(2, min(5, target_tokens // 40))))
     value = _number(rng)
     chain = [f"{names[0]} = {value}."] + [f"{b} = {a}." for a, b in zip(names, names[1:])]
-    filler = [_filler(rng, max(3, target_tokens // (5 * (len(chain) + 1)))) for _ in range(len(chain) + 1)]
+    words = _filler_words(target_tokens - 10 * len(chain) - 25 * questions - 10)
+    filler = [_filler(rng, words // (len(chain) + 1)) for _ in range(len(chain) + 1)]
     text = filler[0] + "".join(f" {c} {f}" for c, f in zip(chain, filler[1:]))
     # every name in the chain holds the same value; the last one is the one a single question asks for
     asks = [(f"What is {names[-1]}?", value)] + _ask(rng, [(f"What is {n}?", value) for n in names[:-1]], questions - 1)
-    return [{"role": "user", "content": text}], asks[:questions][::-1]
+    return [{"role": "user", "content": " ".join(text.split())}], asks[:questions][::-1]
 
 
 def table(rng: random.Random, target_tokens: int, questions: int = 1):
@@ -110,13 +126,7 @@ def table(rng: random.Random, target_tokens: int, questions: int = 1):
 TASKS = {"kv": kv_chat, "multikey": multikey, "variables": variables, "table": table}
 
 
-def make_example(rng: random.Random, target_tokens: int, tok: ByteTokenizer | None = None,
-                 kind: str | None = None, questions: int = 1) -> Example:
-    """One chat; with `questions` > 1 the user asks several times and every answer is in the mask
-    (more signal per training token); `answer` is the last one, which the prompt ends asking for."""
-    tok = tok or ByteTokenizer()
-    kind = kind or rng.choice(sorted(TASKS))
-    messages, asks = TASKS[kind](rng, target_tokens, questions)
+def _render(messages: list[dict], asks: list[tuple[str, str]], tok: ByteTokenizer) -> tuple[list[int], list[bool]]:
     end = tok.specials["<|end|>"]
     ids: list[int] = []
     mask: list[bool] = []
@@ -129,13 +139,32 @@ def make_example(rng: random.Random, target_tokens: int, tok: ByteTokenizer | No
         target = tok.encode(answer) + [end]
         mask += [False] * (len(prompt) - len(ids)) + [True] * len(target)
         ids = prompt + target
+    return ids, mask
+
+
+def make_example(rng: random.Random, target_tokens: int, tok: ByteTokenizer | None = None,
+                 kind: str | None = None, questions: int = 1) -> Example:
+    """One chat of at most `target_tokens` tokens where it can be that short (the filler shrinks to
+    fit; a chat too short for even its facts comes out longer, see `fits`). With `questions` > 1 the
+    user asks several times and every answer is in the mask (more signal per training token);
+    `answer` is the last one, which the prompt ends asking for."""
+    tok = tok or ByteTokenizer()
+    kind = kind or rng.choice(sorted(TASKS))
+    budget = target_tokens
+    for _ in range(6):  # the word-length estimate is close; shave the overshoot off and draw again
+        messages, asks = TASKS[kind](rng, budget, questions)
+        ids, mask = _render(messages, asks, tok)
+        if len(ids) <= target_tokens:
+            break
+        budget -= len(ids) - target_tokens + 4
     return Example(ids, mask, asks[-1][1], kind)
 
 
 def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None = None, max_questions: int = 1,
           tasks: tuple[str, ...] | None = None):
-    """[size, seq_len] ids and mask, one example per row (1..max_questions questions each; a table
-    asks about as many keys as it holds), left-aligned, padded right, cut from the left to fit.
+    """[size, seq_len] ids and mask and each row's task kind, one example per row (1..max_questions questions each; a table
+    asks about as many keys as it holds), left-aligned, padded right; never cut, so every question's
+    fact is in its row (a chat too long for the row is replaced by a table).
     `tasks` picks the kinds (repeat one to weight it)."""
     import torch
 
@@ -143,15 +172,20 @@ def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None
     pad = tok.specials["<|pad|>"]
     ids = torch.full((size, seq_len), pad, dtype=torch.long)
     mask = torch.zeros((size, seq_len), dtype=torch.bool)
+    kinds = []
     for row in range(size):
         kind = rng.choice(tasks or sorted(TASKS))
         target = int(seq_len * rng.uniform(0.5, 0.9))
-        questions = max(1, target // 60) if kind == "table" else rng.randint(1, max_questions)
+        # a table asks about as many keys as it holds; a chat as many questions as its row has room for
+        questions = max(1, target // 60) if kind == "table" else rng.randint(1, max(1, min(max_questions, target // 80)))
         ex = make_example(rng, target, tok, kind, questions=questions)
-        take = ex.ids[-seq_len:]  # an overlong example keeps its question and answer
+        if len(ex.ids) > seq_len:  # a chat whose facts alone overflow the row: a table fits any row
+            ex = make_example(rng, target, tok, "table", questions=max(1, target // 60))
+        take = ex.ids[-seq_len:]
         ids[row, :len(take)] = torch.tensor(take)
         mask[row, :len(take)] = torch.tensor(ex.loss_mask[-seq_len:])
-    return ids, mask
+        kinds.append(ex.kind)
+    return ids, mask, kinds
 
 
 @dataclass(frozen=True)
@@ -195,6 +229,6 @@ def needle_task(rng: random.Random, target_tokens: int, depth: float, kind: str 
     for i, needle in enumerate(needles):
         text += f" {needle} " + _filler(rng, max(2, (words - before) // (len(needles) + 1)) if i < len(needles) - 1 else 0)
     text += " " + _filler(rng, max(2, words - before - (words - before) // (len(needles) + 1) * (len(needles) - 1)))
-    context = [{"role": "system", "content": "You are a helpful assistant. Remember what the user tells you."},
+    context = [{"role": "system", "content": SYSTEM},
                {"role": "user", "content": text.strip()}, {"role": "assistant", "content": "Noted."}]
     return NeedleTask(kind, context, question, value, depth)
