@@ -121,7 +121,10 @@ class PrefixCache:
         reqs = [Requirement(i, kind, piece.per_segment)
                 for i, pieces in enumerate(self.template_pieces) for kind, piece in pieces.items()
                 if kind not in OPTIONAL_KINDS]
-        warmup = max((p["conv"].data.shape[-1] for p in self.template_pieces if "conv" in p), default=0)
+        # a replay first runs this many tokens before its earliest GDN restart: the conv states'
+        # inputs, and (V4-kind layers) a window and the open compressor windows to rebuild
+        warmup = max([p["conv"].data.shape[-1] for p in self.template_pieces if "conv" in p]
+                     + [blk.mixer.replay_warmup for blk in model.layers if hasattr(blk.mixer, "replay_warmup")])
         self.validator = Validator(self.config.block_size, self.layout, reqs, self.config.replay_policy, warmup)
         self.metrics = CacheMetrics()
         self.events: deque[CacheLookup] = deque(maxlen=1000)
@@ -272,8 +275,11 @@ class PrefixCache:
                     fresh.layers[i].resume_stats(plan.usable_tokens, [r.pieces[(i, "decay")].data for r in records])
                     layers.append(fresh.layers[i])
                     continue
+                replayed = plan.replay_from is not None and hasattr(template, "for_replay")
                 pieces = {}
                 for kind, tp in self.template_pieces[i].items():
+                    if replayed and not tp.per_segment:
+                        continue  # a window, tail or overlap: the replay rebuilds it
                     owners = records if tp.per_segment else records[-1:]
                     if kind in OPTIONAL_KINDS and not all((i, kind) in r.pieces for r in owners):
                         pieces[kind] = None
@@ -293,7 +299,8 @@ class PrefixCache:
                     datas = [r.pieces[(i, kind)].data for r in owners]
                     pieces[kind] = datas if tp.per_segment else datas[0]
                 try:
-                    layers.append(template.assemble(plan.usable_tokens, pieces))
+                    layers.append(template.for_replay(plan.replay_from, plan.usable_tokens, pieces) if replayed
+                                  else template.assemble(plan.usable_tokens, pieces))
                 except (RuntimeError, ValueError, IndexError, TypeError) as e:
                     # pieces that passed each check but do not fit together: drop the boundary, re-plan
                     self.table.drop(records[-1].key, lambda layer, k, p, li=i: layer == li and not p.per_segment)

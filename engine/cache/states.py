@@ -358,6 +358,12 @@ class CompressedState:
             out[prefix + "overlap"] = Piece(False, _clone(pair))
         return out
 
+    def for_replay(self, pieces: dict[str, object], prefix: str = "") -> CompressedState:
+        """Every cached entry, exact; the tail and overlap empty, for a replay to rebuild."""
+        entries = torch.cat([self.entries, *pieces[prefix + ("keys" if prefix else "compressed")]], dim=1)
+        return CompressedState(self.rate, self.overlapping, entries, self.tail_kv[:, :0].clone(),
+                               self.tail_gate[:, :0].clone())
+
     def assemble(self, seq_len: int, pieces: dict[str, object], prefix: str = "") -> CompressedState:
         entries = torch.cat([self.entries, *pieces[prefix + ("keys" if prefix else "compressed")]], dim=1)
         tail_kv, tail_gate = _clone(pieces[prefix + "tail"])
@@ -375,6 +381,9 @@ class V4AttnState:
     window: WindowState
     compressor: CompressedState | None = None
     indexer: CompressedState | None = None
+    # Tail-Replay: while positions before replay_end run again, the compressed entries (exact,
+    # from the cache) are read, never appended; the window, tails and overlaps are rebuilt
+    replay_end: int | None = None
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in (self.window, self.compressor, self.indexer) if s is not None)
@@ -394,6 +403,17 @@ class V4AttnState:
         if self.indexer is not None:
             out |= self.indexer.export(lo, hi, snapshots, prefix="index_")
         return out
+
+    def for_replay(self, begin: int, end: int, pieces: dict[str, object]) -> V4AttnState:
+        """The state a Tail-Replay of [begin, end) starts from: every compressed entry of [0, end)
+        exact from the cache; an empty window at `begin`; tails and overlaps empty. The replay
+        rebuilds the snapshot parts from the tokens it runs (validation.REBUILT_BY_REPLAY)."""
+        return V4AttnState(
+            WindowState(self.window.kv[:, :0].clone(), begin),
+            self.compressor.for_replay(pieces) if self.compressor is not None else None,
+            self.indexer.for_replay(pieces, prefix="index_") if self.indexer is not None else None,
+            replay_end=end,
+        )
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> V4AttnState:
         return V4AttnState(

@@ -83,6 +83,10 @@ class ReusePlan:
 
 
 GDN_KINDS = frozenset({"recurrent", "conv"})
+# boundary snapshots of the last few tokens before a boundary (V4-kind layers): a Tail-Replay
+# rebuilds them from the tokens it runs, beside the GDN states, and reads the exact compressed
+# entries and indexer keys from the cache (engine.model.v4_attention)
+REBUILT_BY_REPLAY = frozenset({"window", "tail", "overlap", "index_tail", "index_overlap"})
 OPTIONAL_KINDS = frozenset({"decay"})  # statistics only an approximate plan needs: never a requirement
 
 
@@ -101,10 +105,11 @@ class Validator:
         self.layout = layout
         self.requirements = requirements
         self.policy = policy or ReplayPolicy()
-        # Tail-Replay needs every other layer's state exact at any boundary: token-addressable
-        # kinds only (full-attention KV); windows, tails and overlaps would need their own replay
+        # Tail-Replay needs GDN states to rebuild, every token-addressable kind (full-attention KV,
+        # compressed entries, indexer keys) read exact at any boundary, and every other snapshot
+        # kind one the replay rebuilds too (windows, tails, overlaps)
         snapshot_kinds = {r.kind for r in requirements if not r.per_segment}
-        self.replayable = bool(snapshot_kinds) and snapshot_kinds <= GDN_KINDS
+        self.replayable = bool(snapshot_kinds & GDN_KINDS) and snapshot_kinds <= GDN_KINDS | REBUILT_BY_REPLAY
 
     def plan(self, prompt_len: int, match: MatchResult, table: StateTable) -> ReusePlan:
         b = self.block_size
@@ -199,17 +204,23 @@ class Validator:
         if pick is None or (k > 0 and k * b >= pick.begin):
             return None  # nothing within the budget, or a checkpoint inside the window: replay from it, exactly
         exact = pick.bound == 0.0 and not approximate
-        other = sorted({r.kind for r in self.requirements if r.kind not in GDN_KINDS})
+        rebuilt = GDN_KINDS | REBUILT_BY_REPLAY
+        other = sorted({r.kind for r in self.requirements if r.kind not in rebuilt})
+        replayed = sorted({r.kind for r in self.requirements if r.kind in rebuilt})
         how = "exact: from the prefix start" if exact else f"approximate, error bound {pick.bound:.2e}"
         objects = (
             ObjectPlan(",".join(other), Action.REUSE, (0, end), tuple(sorted({r.layer for r in self.requirements
-                                                                            if r.kind not in GDN_KINDS}))),
-            ObjectPlan("recurrent,conv", Action.RECOVER, (pick.begin, end), tuple(gdn_layers),
+                                                                            if r.kind not in rebuilt}))),
+            ObjectPlan(",".join(replayed), Action.RECOVER, (pick.begin, end),
+                       tuple(sorted({r.layer for r in self.requirements if r.kind in rebuilt})),
                        f"tail replay of {end - pick.begin} tokens from a zero state ({how})",
                        f"no GDN checkpoint in [{pick.begin}, {end}]; nearest at {k * b}"),
             ObjectPlan("all", Action.RECOMPUTE, (end, prompt_len), (), "prefill"),
         )
         cap = self.policy.tokens(end)
+        if set(replayed) - GDN_KINDS:
+            notes = notes + [f"{', '.join(k for k in replayed if k not in GDN_KINDS)} rebuilt by the same replay; "
+                             "compressed entries read exact from the cache"]
         notes = notes + [f"GDN states rebuilt by replaying tokens [{pick.begin}, {end})"
                          + (f" (budget {cap} tokens)" if cap is not None else "")
                          + (f"; per-layer restarts {dict(pick.starts)}" if self.policy.adaptive else "")]

@@ -12,7 +12,9 @@ query at position t and compress rate m:
                      and is visible to t once that window has closed: i < (t + 1) // m
     open window      tokens [m * floor((t+1)/m), t] are not compressed yet: the uncompressed tail
 
-Everything remembered between calls lives in a V4AttnState passed in by the caller.
+Everything remembered between calls lives in a V4AttnState passed in by the caller. A Tail-Replay
+(state.replay_end set) reads the cached compressed entries and indexer keys, exact, and rebuilds
+only what a boundary snapshot would hold: the window, the open tails and the overlaps.
 """
 
 from __future__ import annotations
@@ -87,6 +89,22 @@ class Compressor(nn.Module):
             state.entries = torch.cat([state.entries, new], dim=1)
         return state.entries
 
+    def rebuild_tail(self, x: torch.Tensor, state: CompressedState, start: int) -> None:
+        """Tail-Replay of positions [start, start + T) with the entries already cached: advance only
+        the open window's projections (the tail) and, overlapping, the last closed window's first
+        series (the overlap), as `forward` leaves them; nothing is pooled or appended. A replay
+        that begins inside a window drops that partial window at the next boundary."""
+        kv = torch.cat([state.tail_kv, self.wkv(x)], dim=1)
+        gate = torch.cat([state.tail_gate, self.wgate(x)], dim=1)
+        lo, hi = start - state.tail_kv.shape[1], start + x.shape[1]  # positions kv covers
+        cut = hi // self.rate * self.rate  # the last window boundary at or before hi
+        if self.overlap and cut - self.rate >= lo:  # the last closed window was replayed whole
+            d = self.dim
+            state.overlap_kv = kv[:, cut - self.rate - lo:cut - lo, :d].clone()
+            state.overlap_gate = (gate[:, cut - self.rate - lo:cut - lo] + self.ape)[..., :d].clone()
+        keep = max(cut, lo) - lo
+        state.tail_kv, state.tail_gate = kv[:, keep:].clone(), gate[:, keep:].clone()
+
     def _pair_windows(self, win_kv, win_gate, state: CompressedState | None):
         """[B, n, m, 2D] -> [B, n, 2m, D]: slots [0, m) hold the previous window's first series,
         slots [m, 2m) this window's second series. Without a previous window the first half has
@@ -150,6 +168,14 @@ class Indexer(nn.Module):
 
 
 class V4Attention(nn.Module):
+    @property
+    def replay_warmup(self) -> int:
+        """Tokens a Tail-Replay must run before its end to rebuild this layer's snapshot parts:
+        a full window, and the last closed window plus the open one of each compressor."""
+        rates = [c.rate * (2 if c.overlap else 1) for c in (self.compressor, self.indexer and self.indexer.compressor)
+                 if c is not None]
+        return max([self.window - 1, *rates])
+
     def __init__(self, cfg: ModelConfig, kind: str):
         super().__init__()
         self.kind = kind
@@ -199,10 +225,24 @@ class V4Attention(nn.Module):
             state.window.end = start + t
 
         entries, selected = None, None
-        if self.compressor is not None:
+        replaying = state is not None and state.replay_end is not None
+        if self.compressor is not None and replaying:
+            # Tail-Replay: the cached entries are exact and stay; only the open tails are rebuilt
+            entries = state.compressor.entries
+            self.compressor.rebuild_tail(x, state.compressor, start)
+            if self.indexer is not None:
+                self.indexer.compressor.rebuild_tail(x, state.indexer, start)
+                selected = self.indexer.select(self.indexer.score(x, q_res, positions, state.indexer.entries),
+                                               positions)
+        elif self.compressor is not None:
             entries = self.compressor(x, None if state is None else state.compressor)
             if self.indexer is not None:
                 selected = self.indexer(x, q_res, positions, None if state is None else state.indexer)
+        if replaying and start + t >= state.replay_end:
+            for comp in (state.compressor, state.indexer):
+                if comp is not None and (start + t - comp.tail_kv.shape[1]) % comp.rate:
+                    raise ValueError(f"a replay from inside the last window cannot rebuild its tail (rate {comp.rate})")
+            state.replay_end = None  # rebuilt: from here on the layer runs as usual
 
         out = torch.empty(b, t, self.n_heads, self.head_dim, dtype=q.dtype, device=x.device)
         for lo in range(0, t, QUERY_BLOCK):
