@@ -142,10 +142,61 @@ def test_approximate_records_never_reach_the_lower_tier(qwen):
     assert approximate and not approximate & set(tier.rows)
 
 
-def test_layers_with_windows_are_not_replayed_approximately():
-    model = _model(hcw_hybrid_dict(hidden=64))
-    run, _, diff = _resume(model, budget=8)
+@pytest.fixture(scope="module")
+def mixed():
+    """Every layer kind: GDN, sliding window, compressed-sparse (rate 4, indexer), heavily
+    compressed (rate 16), full attention; window 8."""
+    return _model(hcw_hybrid_dict(hidden=64))
+
+
+def test_windows_and_compressors_replay_the_whole_prefix_exactly(mixed):
+    run, _, diff = _resume(mixed, budget=10_000, branch_point=False)
+    assert run.plan.replay_from == 0 and run.plan.usable_tokens == 112 and run.plan.exact
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("budget, allowed", [(0.25, 28), (40, 40)])
+def test_a_replay_through_windows_and_compressors_is_labelled_and_budgeted(mixed, budget, allowed):
+    run, cache, diff = _resume(mixed, budget)
+    plan = run.plan
+    assert plan.replay_from is not None and not plan.exact and plan.usable_tokens == 112
+    # the window and the compressors' tails need 16 tokens (the rate-16 window) before the end
+    assert 16 <= plan.replay_tokens <= allowed
+    assert any("window" in note and "rebuilt" in note for note in plan.notes)
+    rebuilt = next(o for o in plan.summary()["objects"] if "tail replay" in o["path"])
+    assert {"recurrent", "window", "tail", "overlap", "index_tail"} <= set(rebuilt["kind"].split(","))
+    assert torch.isfinite(run.logits).all() and 0 < diff
+    written = [cache.table.get(n.key) for n in cache.index.match(_prompts(mixed.config.vocab_size)[1]).segments[7:]]
+    assert written and all(not r.exact for r in written)
+
+
+def test_a_budget_below_a_window_falls_back_to_exact(mixed):
+    run, _, diff = _resume(mixed, budget=12)  # the rate-16 compressor's window does not fit in 12 tokens
     assert run.plan.replay_from is None and run.plan.exact and diff <= 1e-4
+
+
+def test_windows_tails_and_overlaps_are_rebuilt_as_a_full_prefill_leaves_them():
+    """With the V4-kind layers below the only GDN layer their inputs are exact during a replay, so
+    what the replay rebuilds (window, tails, overlaps) and reads (entries, indexer keys) must equal
+    a full prefill's state; only the GDN layer differs, and so the logits."""
+    model = _model(hcw_hybrid_dict(hidden=64, layer_types=("sliding_attention", "compressed_sparse_attention",
+                                                           "heavily_compressed_attention", "linear_attention")))
+    run, _, diff = _resume(model, budget=0.25)
+    assert run.plan.replay_from is not None and not run.plan.exact
+    cold = Engine(model).start(_prompts(model.config.vocab_size)[1]).state
+    for i in range(3):
+        ours, ref = run.state.layers[i], cold.layers[i]
+        assert ours.replay_end is None and ours.window.end == ref.window.end
+        assert torch.allclose(ours.window.kv, ref.window.kv, atol=1e-5)
+        for a, b in ((ours.compressor, ref.compressor), (ours.indexer, ref.indexer)):
+            if b is None:
+                continue
+            assert torch.allclose(a.entries, b.entries, atol=1e-5)
+            assert torch.allclose(a.tail_kv, b.tail_kv, atol=1e-5) and torch.allclose(a.tail_gate, b.tail_gate, atol=1e-5)
+            if b.overlap_kv is not None:
+                assert torch.allclose(a.overlap_kv, b.overlap_kv, atol=1e-5)
+                assert torch.allclose(a.overlap_gate, b.overlap_gate, atol=1e-5)
+    assert diff > 0  # the GDN layer above them restarted from zero
 
 
 def test_a_recurrent_budget_never_trims_what_exact_reuse_needs(qwen):
@@ -316,10 +367,15 @@ def test_bench_replay_measures_every_policy_on_the_same_tasks(tmp_path):
                                    "--budgets", "0.1,adaptive", "--tasks", "2", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["rows"]
-    assert [r["policy"] for r in rows] == ["exact", "0.1", "adaptive (tol 0.001)"]
-    exact, fixed, adaptive = rows
-    assert exact["all_exact"] and exact["replayed_tokens"] == 0 and exact["reused_tokens"] == 0
+    assert [r["policy"] for r in rows] == ["exact, checkpoints", "exact, none inside", "0.1", "adaptive (tol 0.001)"]
+    kept, exact, fixed, adaptive = rows
+    for row in (kept, exact):  # exact reuse: the full prefill's logits, so its tokens and states
+        assert row["all_exact"] and row["replayed_tokens"] == 0 and row["top1_agreement"] == 1.0
+        assert row["mean_kl"] <= 1e-6 and row["state_error"] <= 1e-4
+    assert kept["reused_tokens"] > 0 and exact["reused_tokens"] == 0
     assert not fixed["all_exact"] and 0 < fixed["replayed_tokens"] <= 0.1 * fixed["reused_tokens"]
+    # every GDN layer's error is reported (random weights forget within a few tokens: it may be 0)
+    assert set(fixed["layer_state_errors"]) == {"0", "2"} and 0 <= fixed["state_error"] < 1
     assert adaptive["max_bound"] <= 1e-3 and fixed["reused_tokens"] > 0
     res = CliRunner().invoke(app, ["bench", "replay", "--model", str(folder), "--budgets", "lots"])
     assert res.exit_code == 2 and "not a fraction" in res.stderr
