@@ -4,20 +4,26 @@ replay budget, on RULER-style needle tasks (workbench.tiny.data.needle_task).
 For each task the context is cached by an earlier request that asked something else, with GDN
 checkpoints only past the context (none inside it), so a resume at the context's end must either
 recompute from the start (exact) or rebuild the GDN states by replay (approximate, within the
-budget). Every policy is measured on the same tasks in one process: accuracy (the greedy answer
-starts with the needle's value), agreement with the full prefill's answer, TTFT, tokens replayed
-and the certified bound.
+budget). Every policy is measured on the same tasks in one process: fidelity against the full
+prefill (top-1 agreement and mean KL over the next 64 greedy tokens, teacher-forced; each GDN
+layer's relative state error), task accuracy (the greedy answer is the needle's value), TTFT,
+tokens replayed and the certified bound. An exact policy that keeps GDN checkpoints every 4
+segments shows what storing them buys.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 import statistics
+import time
 from dataclasses import dataclass
+
+import torch
 
 from engine import load_model
 from engine.cache.prefix_cache import CacheConfig, PrefixCache
-from engine.engine import Engine, SamplingParams
+from engine.engine import Engine
 from engine.model.loader import resolve_model
 from engine.tokenizer import load_tokenizer
 from workbench.tiny.data import RULER_KINDS, needle_task
@@ -29,11 +35,15 @@ class Budget:
     reuse: str  # exact | approximate
     budget: float | None
     tolerance: float | None
+    checkpoint_every: int = 1 << 30  # GDN checkpoints only past the context, unless a policy keeps them
 
 
 def parse_budgets(text: str, tolerance: float) -> list[Budget]:
-    """'0.01,0.05,512,adaptive' -> policies; the exact policy is always measured first."""
-    out = [Budget("exact", "exact", None, None)]
+    """'0.01,0.05,512,adaptive' -> policies; two exact policies are always measured first: with
+    checkpoints every 4 segments (what storing GDN states everywhere buys) and without any inside
+    the context (a resume recomputes it)."""
+    out = [Budget("exact, checkpoints", "exact", None, None, checkpoint_every=4),
+           Budget("exact, none inside", "exact", None, None)]
     for item in (t.strip() for t in text.split(",") if t.strip()):
         if item == "adaptive":
             out.append(Budget(f"adaptive (tol {tolerance:g})", "approximate", None, tolerance))
@@ -48,6 +58,38 @@ def parse_budgets(text: str, tolerance: float) -> list[Budget]:
     return out
 
 
+FOLLOW = 64  # greedy tokens after the prompt over which fidelity is measured
+
+
+def _continue(model, logits: torch.Tensor, state, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] next-token logits along `tokens` (teacher-forced) from a copy of
+    `state` whose last logits are `logits`: row i predicts tokens[i]."""
+    rows = [logits.float()]
+    if len(tokens) > 1:
+        ids = torch.tensor(tokens[:-1], dtype=torch.long, device=model.device)
+        with torch.inference_mode():
+            rows += list(model(ids, copy.deepcopy(state))[0].float())
+    return torch.stack(rows)
+
+
+def _greedy(model, logits: torch.Tensor, state, n: int) -> list[int]:
+    state = copy.deepcopy(state)
+    out = [int(logits.argmax())]
+    with torch.inference_mode():
+        while len(out) < n:
+            out.append(int(model(torch.tensor([[out[-1]]], device=model.device), state)[0, -1].argmax()))
+    return out
+
+
+def _state_errors(ours, ref) -> dict[int, float]:
+    """Per GDN layer: |S - S_full| / |S_full| of the recurrent state after the prompt."""
+    out = {}
+    for i, (a, b) in enumerate(zip(ours.layers, ref.layers)):
+        if hasattr(b, "recurrent"):
+            out[i] = float((a.recurrent.float() - b.recurrent.float()).norm() / b.recurrent.float().norm().clamp(min=1e-30))
+    return out
+
+
 def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int = 4, seed: int = 0,
               block_size: int = 64, progress=None) -> dict:
     folder = resolve_model(model)
@@ -55,8 +97,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
     tok = load_tokenizer(folder, m.config.extra)
     if tok is None:
         raise ValueError(f"{model} has no tokenizer; the needle tasks are text")
-    params = SamplingParams(max_new_tokens=6, greedy=True, stop_ids=tok.eos_ids)
-    Engine(m).generate(tok.encode("warm-up"), params)  # first-call costs stay out of the timings
+    Engine(m).start(tok.encode("warm-up"))  # first-call costs stay out of the timings
     rows = []
     for length in lengths:
         rng = random.Random(seed + length)
@@ -70,31 +111,49 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                                                            {"role": "assistant", "content": "Yes."}],
                                            add_generation_prompt=False)
             asked = tok.apply_chat_template(case.context + [{"role": "user", "content": case.question}])
-            ref = Engine(m).generate(asked, params)
-            full_ms = ref.timings.prompt_ms
-            ref_text = tok.decode(ref.token_ids).strip()
-            full.append({"ttft_ms": full_ms, "correct": ref_text.startswith(case.answer)})
+            answer = tok.encode(case.answer)
+            t0 = time.perf_counter()
+            ref = Engine(m).start(asked)
+            full_ms = 1000 * (time.perf_counter() - t0)
+            follow = _greedy(m, ref.logits, ref.state, FOLLOW)
+            ref_logits = _continue(m, ref.logits, ref.state, follow)
+            ref_correct = bool((_continue(m, ref.logits, ref.state, answer).argmax(-1) == torch.tensor(answer)).all())
+            full.append({"ttft_ms": full_ms, "correct": ref_correct})
             for b in budgets:
-                cfg = CacheConfig(block_size=block_size, checkpoint_every=1 << 30, checkpoint_branch_point=False,
-                                  reuse=b.reuse, replay_budget=b.budget if b.reuse == "approximate" else 0.05,
+                cfg = CacheConfig(block_size=block_size, checkpoint_every=b.checkpoint_every,
+                                  checkpoint_branch_point=False, reuse=b.reuse,
+                                  replay_budget=b.budget if b.reuse == "approximate" else 0.05,
                                   replay_tolerance=b.tolerance)
                 engine = Engine(m, cache=PrefixCache(m, cfg))
                 engine.start(warm).finish()
-                gen = engine.generate(asked, params)
-                text = tok.decode(gen.token_ids).strip()
+                t0 = time.perf_counter()
+                run = engine.start(asked)
+                ttft = 1000 * (time.perf_counter() - t0)
+                run.finish()
+                logits = _continue(m, run.logits, run.state, follow)
+                kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref_logits.log_softmax(-1), log_target=True,
+                                                reduction="none").sum(-1)
+                errors = _state_errors(run.state, ref.state)
                 per_policy[b.label].append({
-                    "ttft_ms": gen.timings.prompt_ms, "correct": text.startswith(case.answer),
-                    "agrees": text == ref_text, "exact": gen.plan.exact, "reused": gen.plan.usable_tokens,
-                    "replayed": gen.plan.replay_tokens, "bound": gen.plan.replay_bound})
+                    "ttft_ms": ttft,
+                    "correct": bool((_continue(m, run.logits, run.state, answer).argmax(-1) == torch.tensor(answer)).all()),
+                    "top1": float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
+                    "kl": float(kl.mean()), "state_error": max(errors.values(), default=0.0), "layer_errors": errors,
+                    "exact": run.plan.exact, "reused": run.plan.usable_tokens,
+                    "replayed": run.plan.replay_tokens, "bound": run.plan.replay_bound})
         full_acc = sum(f["correct"] for f in full) / len(full)
         full_ttft = statistics.median(f["ttft_ms"] for f in full)
         for b in budgets:
             runs = per_policy[b.label]
             acc = sum(r["correct"] for r in runs) / len(runs)
             ttft = statistics.median(r["ttft_ms"] for r in runs)
+            layers = sorted({i for r in runs for i in r["layer_errors"]})
             row = {"prefix_tokens": length, "policy": b.label, "accuracy": acc, "full_prefill_accuracy": full_acc,
                    "quality_retained": acc / full_acc if full_acc else None,
-                   "agreement": sum(r["agrees"] for r in runs) / len(runs),
+                   "top1_agreement": statistics.mean(r["top1"] for r in runs),
+                   "mean_kl": statistics.mean(r["kl"] for r in runs),
+                   "state_error": statistics.mean(r["state_error"] for r in runs),
+                   "layer_state_errors": {i: statistics.mean(r["layer_errors"][i] for r in runs) for i in layers},
                    "ttft_ms": ttft, "full_prefill_ttft_ms": full_ttft, "ttft_speedup": full_ttft / ttft if ttft else None,
                    "replayed_tokens": statistics.mean(r["replayed"] for r in runs),
                    "reused_tokens": statistics.mean(r["reused"] for r in runs),
@@ -102,7 +161,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
             rows.append(row)
             if progress is not None:
                 progress(_line(row))
-    return {"model": str(model), "tasks_per_length": tasks, "rows": rows,
+    return {"model": str(model), "tasks_per_length": tasks, "follow_tokens": FOLLOW, "rows": rows,
             "replayable": _replayable(m)}
 
 
@@ -113,23 +172,29 @@ def _replayable(model) -> bool:
 def _line(row: dict) -> str:
     q = "-" if row["quality_retained"] is None else f"{row['quality_retained']:.0%}"
     return (f"{row['prefix_tokens']:>6} {row['policy']:<22} acc {row['accuracy']:.0%} (full {row['full_prefill_accuracy']:.0%}, "
-            f"kept {q}) agree {row['agreement']:.0%} TTFT {row['ttft_ms']:.0f} ms "
+            f"kept {q}) top-1 {row['top1_agreement']:.1%} KL {row['mean_kl']:.1e} state err {row['state_error']:.1e} "
+            f"TTFT {row['ttft_ms']:.0f} ms "
             f"({row['ttft_speedup']:.1f}x) replayed {row['replayed_tokens']:.0f} bound {row['max_bound']:.1e}"
             f"{' exact' if row['all_exact'] else ''}")
 
 
 def markdown(report: dict) -> str:
     lines = [f"Model `{report['model']}`, {report['tasks_per_length']} needle tasks per length "
-             f"(single / multi-key / multi-value / variable tracking, depths spread 0..1). "
-             + ("" if report["replayable"] else "**This model has layers with windows or compressed tails, which "
-                "Tail-Replay does not rebuild yet: every approximate budget falls back to exact.** "),
-             "", "| prefix | policy | accuracy | full prefill | quality kept | agrees with full | TTFT speed-up | "
-             "replayed tokens | max bound | exact |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"(single / multi-key / multi-value / variable tracking, depths spread 0..1); fidelity over the "
+             f"{report['follow_tokens']} greedy tokens a full prefill produces after the question (top-1 agreement, "
+             "mean KL(full ‖ reuse)), the GDN states' relative error after the prompt (mean over tasks of the worst "
+             "layer), task accuracy (the needle's value, greedy) and its retention against the full prefill. "
+             + ("" if report["replayable"] else "**This model cannot be tail-replayed (no GDN layers, or a state "
+                "kind a replay cannot rebuild): every approximate budget falls back to exact.** "),
+             "", "| prefix | policy | top-1 agreement | mean KL | state error | accuracy | full prefill | retained | "
+             "TTFT speed-up | replayed tokens | max bound | exact |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         q = "-" if r["quality_retained"] is None else f"{r['quality_retained']:.0%}"
-        lines.append(f"| {r['prefix_tokens']} | {r['policy']} | {r['accuracy']:.0%} | {r['full_prefill_accuracy']:.0%} | "
-                     f"{q} | {r['agreement']:.0%} | {r['ttft_speedup']:.1f}× | {r['replayed_tokens']:.0f} | "
-                     f"{r['max_bound']:.1e} | {'yes' if r['all_exact'] else 'no'} |")
+        lines.append(f"| {r['prefix_tokens']} | {r['policy']} | {r['top1_agreement']:.1%} | {r['mean_kl']:.1e} | "
+                     f"{r['state_error']:.1e} | {r['accuracy']:.0%} | {r['full_prefill_accuracy']:.0%} | {q} | "
+                     f"{r['ttft_speedup']:.1f}× | {r['replayed_tokens']:.0f} | {r['max_bound']:.1e} | "
+                     f"{'yes' if r['all_exact'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -144,9 +209,9 @@ def plot(report: dict, path) -> None:
     for length in sorted({r["prefix_tokens"] for r in report["rows"]}):
         rows = [r for r in report["rows"] if r["prefix_tokens"] == length]
         labels = [r["policy"] for r in rows]
-        axes[0].plot(labels, [r["agreement"] for r in rows], marker="o", label=f"{length} tokens")
+        axes[0].plot(labels, [r["top1_agreement"] for r in rows], marker="o", label=f"{length} tokens")
         axes[1].plot(labels, [r["ttft_speedup"] for r in rows], marker="o", label=f"{length} tokens")
-    axes[0].set_title("answers equal to a full prefill's")
+    axes[0].set_title(f"top-1 agreement with a full prefill ({report['follow_tokens']} tokens)")
     axes[1].set_title("TTFT speed-up over a full prefill")
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)

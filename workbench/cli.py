@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -136,11 +137,12 @@ def bench_replay(
     if write_docs:
         from benchmarks.report import DOC, write_section
 
-        image = DOC.parent / "img" / "replay.png"
+        name = re.sub(r"[^A-Za-z0-9.]+", "-", Path(model).name).strip("-")  # one section per model
+        image = DOC.parent / "img" / f"replay-{name}.png"
         image.parent.mkdir(exist_ok=True)
         plot(report, image)
-        write_section("replay", "Tail-Replay: quality and TTFT by budget (`hcw bench replay`)",
-                      markdown(report) + f"\n\n![replay](img/{image.name})")
+        write_section(f"replay-{name}", f"Tail-Replay on {name}: fidelity, quality and TTFT by budget "
+                      "(`hcw bench replay`)", markdown(report) + f"\n\n![replay on {name}](img/{image.name})")
 
 
 @app.command("inspect")
@@ -219,14 +221,19 @@ def train_tiny(
     halvings: int = typer.Option(5, "--halvings", min=0, help="curriculum steps: each halves the length"),
     lr: float = typer.Option(2e-3, "--lr", min=0.0),
     init_from: Path | None = typer.Option(None, "--init-from", help="continue from this model folder's weights"),
+    arch: str = typer.Option("hcw_hybrid", "--arch",
+                             help="hcw_hybrid (hcw-tiny: every layer kind) or qwen3_5 (3 GDN : 1 full attention)"),
 ) -> None:
-    """Train hcw-tiny (every layer kind) on the synthetic recall data, on this machine's CPU."""
+    """Train hcw-tiny (every layer kind), or a Qwen3.5-architecture model with --arch qwen3_5, on
+    the synthetic recall data, on this machine's CPU."""
     from workbench.tiny.train import TrainConfig, train
 
-    if hidden % 32:
-        _fail("--hidden must be a multiple of 32")
+    if hidden % 32 or (arch == "qwen3_5" and hidden % 64):
+        _fail("--hidden must be a multiple of 32 (of 64 for qwen3_5)")
+    if arch not in ("hcw_hybrid", "qwen3_5"):
+        _fail(f"--arch must be hcw_hybrid or qwen3_5, not {arch!r}")
     summary, _ = train(TrainConfig(hidden=hidden, seq_len=seq_len, batch_size=batch_size, steps=steps,
-                                minutes=minutes, seed=seed, halvings=halvings, lr=lr), out,
+                                minutes=minutes, seed=seed, halvings=halvings, lr=lr, arch=arch), out,
                        progress=lambda line: typer.echo(line, err=True), init_from=init_from)
     typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}))
 

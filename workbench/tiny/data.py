@@ -175,7 +175,7 @@ def batch(rng: random.Random, size: int, seq_len: int, tok: ByteTokenizer | None
     kinds = []
     for row in range(size):
         kind = rng.choice(tasks or sorted(TASKS))
-        target = int(seq_len * rng.uniform(0.5, 0.9))
+        target = int(seq_len * rng.uniform(0.25, 0.95))  # overlaps the previous curriculum phase's lengths
         # a table asks about as many keys as it holds; a chat as many questions as its row has room for
         questions = max(1, target // 60) if kind == "table" else rng.randint(1, max(1, min(max_questions, target // 80)))
         ex = make_example(rng, target, tok, kind, questions=questions)
