@@ -13,6 +13,8 @@ integrity (the row's xxh3-128 and length) is checked by the tier before decode i
 from __future__ import annotations
 
 import struct
+import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +25,7 @@ MAGIC = b"HCWB"
 VERSION = 1
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.float64, torch.uint8]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+_ITEMSIZE = [torch.empty(0, dtype=d).element_size() for d in _DTYPES]
 _HEAD = struct.Struct("<4sBBBB")
 LEVEL = 1  # measured (docs/BENCHMARKS.md, disk tier): higher levels gain no ratio on these planes and lose speed
 
@@ -31,8 +34,13 @@ class BlobError(ValueError):
     """A blob that cannot be trusted: the reason says which check failed."""
 
 
-def checksum(data: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
+def checksum(data: bytes, prefix: bytes = b"") -> bytes:
+    """xxh3-128 of prefix + data, without building the concatenation."""
+    if not prefix:
+        return xxhash.xxh3_128_digest(data)
+    h = xxhash.xxh3_128(prefix)
+    h.update(data)
+    return h.digest()
 
 
 def _shuffle(raw: np.ndarray, itemsize: int) -> bytes:
@@ -52,7 +60,17 @@ def encode(t: torch.Tensor, level: int = LEVEL, shuffle: bool = True) -> bytes:
     return head + frame
 
 
-def decode(blob: bytes) -> torch.Tensor:
+class _Header(NamedTuple):
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    itemsize: int
+    shuffled: bool
+    expected: int  # bytes the payload decompresses to
+    frame: memoryview  # the zstd frame, not copied out of the blob
+
+
+def _parse(blob: bytes) -> _Header:
+    """Every check that needs no decompression: header, dtype, shape, the frame's declared size."""
     if len(blob) < _HEAD.size:
         raise BlobError("blob shorter than its header")
     magic, version, code, ndim, shuffled = _HEAD.unpack_from(blob)
@@ -69,24 +87,71 @@ def decode(blob: bytes) -> torch.Tensor:
         raise BlobError("blob shorter than its shape")
     shape = struct.unpack_from(f"<{ndim}Q", blob, _HEAD.size)
     dtype = _DTYPES[code]
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[code]
     expected = int(np.prod(shape, dtype=np.int64)) * itemsize if ndim else itemsize
-    frame = blob[end:]
+    frame = memoryview(blob)[end:]
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as e:
         raise BlobError(f"bad zstd frame header: {e}") from None
     if declared != expected:
         raise BlobError(f"frame declares {declared} bytes, the shape needs {expected}")
+    return _Header(dtype, shape, itemsize, bool(shuffled), expected, frame)
+
+
+def _tensor(h: _Header, raw) -> torch.Tensor:
+    """The tensor from its decompressed payload: one copy (the un-shuffle, or, unshuffled, a
+    writable copy); torch then shares that memory."""
+    flat = np.frombuffer(raw, dtype=np.uint8)
+    if len(flat) != h.expected:
+        raise BlobError(f"{len(flat)} bytes decompressed, expected {h.expected}")
+    if not h.expected:
+        return torch.empty(h.shape, dtype=h.dtype)
+    flat = flat.reshape(h.itemsize, -1).T.copy(order="C").reshape(-1) if h.shuffled else flat.copy()
+    return torch.from_numpy(flat).view(h.dtype).reshape(h.shape)
+
+
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """One decompression context per thread, reused: creating one per blob costs more than
+    decompressing a small blob."""
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def decode(blob: bytes) -> torch.Tensor:
+    h = _parse(blob)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=expected)
+        raw = _decompressor().decompress(h.frame, max_output_size=h.expected)
     except zstandard.ZstdError as e:
         raise BlobError(f"zstd: {e}") from None
-    if len(raw) != expected:
-        raise BlobError(f"{len(raw)} bytes decompressed, expected {expected}")
-    # one copy: the un-shuffle (or, unshuffled, a writable copy); torch then shares that memory
-    flat = np.frombuffer(raw, dtype=np.uint8)
-    flat = flat.reshape(itemsize, -1).T.copy(order="C").reshape(-1) if shuffled else flat.copy()
-    if not expected:
-        return torch.empty(shape, dtype=dtype)
-    return torch.from_numpy(flat).view(dtype).reshape(shape)
+    return _tensor(h, raw)
+
+
+def decode_many(blobs: list[bytes], threads: int = 0) -> list[torch.Tensor | BlobError]:
+    """`decode` of many blobs at once, each result a tensor or the BlobError that blob raised.
+    The frames are decompressed in one call (zstd's multi-frame API, on `threads` threads; 0:
+    one per core): per-blob overhead, not zstd, is what limits a restore of many small blobs."""
+    out: list[torch.Tensor | BlobError] = []
+    headers: list[tuple[int, _Header]] = []
+    for i, blob in enumerate(blobs):
+        try:
+            headers.append((i, _parse(blob)))
+            out.append(None)
+        except BlobError as e:
+            out.append(e)
+    frames = [h.frame for _, h in headers if h.expected]
+    try:
+        raws = iter(_decompressor().multi_decompress_to_buffer(frames, threads=threads or -1) if frames else [])
+    except zstandard.ZstdError:
+        raws = None  # some frame is bad: decode one by one to tell which
+    for i, h in headers:
+        try:
+            out[i] = _tensor(h, next(raws) if h.expected else b"") if raws is not None else decode(blobs[i])
+        except BlobError as e:
+            out[i] = e
+    return out
