@@ -126,6 +126,36 @@ def test_escape_cancels_and_quit_keeps_answered_turns(model_dir, tmp_path):
     assert [m.role for m in again.path()] == ["system", "user", "assistant", "user", "assistant"]
 
 
+def test_typing_works_while_an_answer_streams(model_dir, tmp_path):
+    """The prompt takes keys while the worker generates, and the answer keeps arriving on screen
+    in pieces (the worker hands deltas over without waiting for the screen); how fast is
+    benchmarks/tui_responsiveness.py's business, not a test's."""
+    db = tmp_path / "t.db"
+
+    async def scenario():
+        app = _app(model_dir, db)
+        app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=1500, ignore_eos=True)
+        async with app.run_test(size=(160, 50)) as pilot:
+            app.query_one("#prompt").value = FACT
+            await pilot.press("enter")
+            shown = []
+            typed = ""
+            while app.busy:
+                if len(typed) < 8:
+                    await pilot.press("x")
+                    typed += "x" if app.busy else ""
+                shown.append(len(app.query(MessageView)[-1].source))
+                await pilot.pause(0.02)
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert typed and app.query_one("#prompt").value.startswith(typed)  # keys landed mid-answer
+            assert len(app.last.token_ids) == 1500 and app.last.stop_reason == "length"
+            partial = {n for n in shown if 0 < n < len(app.last.text)}
+            assert len(partial) >= 2  # several partial answers were on screen before the end
+            assert app.query(MessageView)[-1].source == app.last.text
+    asyncio.run(scenario())
+
+
 def test_the_workbench_layout_snapshot(model_dir, tmp_path, monkeypatch, snap_compare):
     """The layout a user sees on start (ids and memory pinned so the picture is reproducible)."""
     import itertools

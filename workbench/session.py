@@ -108,6 +108,7 @@ class ChatOptions:
     replay_budget: float | None = 0.05  # approximate: a fraction (< 1) of the matched prefix, or tokens; None: no cap
     replay_tolerance: float | None = None  # approximate, adaptive: the certified error bound each GDN layer keeps under
     max_new_tokens: int = 256
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
     greedy: bool = True
     temperature: float = 0.8
     top_p: float = 0.95
@@ -288,7 +289,7 @@ class ChatSession:
     def sampling(self) -> SamplingParams:
         o = self.opts
         return SamplingParams(max_new_tokens=o.max_new_tokens, greedy=o.greedy, temperature=o.temperature,
-                              top_p=o.top_p, seed=o.seed, stop_ids=self.tok.eos_ids)
+                              top_p=o.top_p, seed=o.seed, stop_ids=() if o.ignore_eos else self.tok.eos_ids)
 
     def cold_answer(self) -> str:
         """The thread's last answer computed again by a fresh engine with no cache: the oracle a

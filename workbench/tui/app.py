@@ -1,7 +1,9 @@
 """`hcw chat` on a terminal: the Textual workbench over one ChatSession.
 
 Generation runs in a worker thread and streams into the conversation pane; Esc cancels it (the
-partial answer is kept). Every answered turn is already in the database when the next one starts,
+partial answer is kept). The worker never waits for the screen: it appends text deltas to a buffer
+that the UI thread drains into the answer STREAM_HZ times a second, so rendering costs the
+generation nothing but the GIL it shares. Every answered turn is already in the database when the next one starts,
 so quitting (Ctrl-Q, or Ctrl-C) never loses one. `/commands` typed in the prompt and the command
 palette (Ctrl-P) share the plain REPL's commands.
 """
@@ -27,6 +29,8 @@ from workbench.tui.conversation import ConversationView
 from workbench.tui.segments import SegmentTable
 from workbench.tui.stats import StatsBar, stats_line
 from workbench.tui.validation import ValidationPanel
+
+STREAM_HZ = 20  # how often streamed text reaches the screen
 
 PALETTE = [("branch from the last message", "/branch"), ("save cached segments now", "/save"),
            ("show stats in the log", "/stats"), ("list branches in the log", "/branches")] + \
@@ -56,6 +60,9 @@ class ChatApp(App):
         self.busy = False
         self.quitting = False
         self.last: TurnResult | None = None
+        self._stream_lock = threading.Lock()
+        self._stream_text: list[str] = []  # deltas the worker produced, not shown yet
+        self._stream_view = None  # the answer they go into
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -81,6 +88,7 @@ class ChatApp(App):
         self.query_one(ValidationPanel).show(None)
         self.refresh_views(messages=True)
         self.set_interval(1.0, self.refresh_stats)
+        self.set_interval(1 / STREAM_HZ, self.flush_stream)
         self.query_one(Input).focus()
 
     # ---- views -------------------------------------------------------------------------
@@ -141,18 +149,34 @@ class ChatApp(App):
         answer = view.add(n, "assistant", "")
         self.busy = True
         self.cancel.clear()
-        self.generate(run, answer)
+        with self._stream_lock:
+            self._stream_text, self._stream_view = [], answer
+        self.generate(run)
+
+    def _streamed(self, delta: str) -> None:
+        """Worker side: keep the delta for the next flush; never blocks on the screen."""
+        with self._stream_lock:
+            self._stream_text.append(delta)
+
+    def flush_stream(self) -> None:
+        """UI side: everything streamed since the last flush, appended to the answer at once."""
+        with self._stream_lock:
+            text, self._stream_text = "".join(self._stream_text), []
+            view = self._stream_view
+        if text and view is not None and view.is_attached:
+            view.append(text)
 
     @work(thread=True, exclusive=True)
-    def generate(self, run, answer) -> None:
+    def generate(self, run) -> None:
         try:
-            result = run(lambda delta: self.call_from_thread(answer.append, delta), self.cancel.is_set)
+            result = run(self._streamed, self.cancel.is_set)
         except Exception as e:  # shown to the user; the session is unchanged past the last saved turn
             self.call_from_thread(self.turn_failed, e)
             return
         self.call_from_thread(self.turn_done, result)
 
     def turn_done(self, result: TurnResult) -> None:
+        self.flush_stream()
         self.busy = False
         self.last = result
         self.query_one(ValidationPanel).show(result)
@@ -161,6 +185,7 @@ class ChatApp(App):
         self._after_turn()
 
     def turn_failed(self, error: Exception) -> None:
+        self.flush_stream()
         self.busy = False
         self.log_line(f"error: {error}")
         self._after_turn()

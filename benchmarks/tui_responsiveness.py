@@ -1,0 +1,118 @@
+"""The workbench stays responsive while it generates: key-press latency in the Textual app while
+an answer streams (against the same app idle), and the app's cost on tokens/s against the plain
+REPL's path (the same session code writing deltas to a stream), measured in one process on the
+same model with runs alternated. Writes its section to docs/BENCHMARKS.md.
+
+    python benchmarks/tui_responsiveness.py            # hcw-tiny, 3 x 200-token answers per mode
+    python benchmarks/tui_responsiveness.py --quick --no-write
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import parse_args, write_section  # noqa: E402
+from workbench.session import ChatOptions, ChatSession  # noqa: E402
+from workbench.tui.app import ChatApp  # noqa: E402
+
+PROMPT = "Tell me everything you remember, at length."
+
+
+def _options(db: Path, tokens: int) -> ChatOptions:
+    return ChatOptions(model="hcw-tiny", db=db, max_new_tokens=tokens, ignore_eos=True)
+
+
+async def _key_latency(app: ChatApp, pilot, key: str) -> float:
+    """Seconds from a key press until the prompt holds it (the pilot returns once the app has
+    processed the key and everything queued before it)."""
+    box = app.query_one("#prompt")
+    before = box.value
+    t0 = time.perf_counter()
+    await pilot.press(key)
+    while box.value == before:
+        await asyncio.sleep(0)
+    return time.perf_counter() - t0
+
+
+async def _tui_turn(folder: Path, tokens: int, keys: int) -> dict:
+    """One answer streamed in the app: its tokens/s (wall, submit to done), and key latencies
+    idle (before) and while streaming."""
+    app = ChatApp(ChatSession(_options(folder / f"tui-{time.monotonic_ns()}.db", tokens)))
+    async with app.run_test(size=(160, 50)) as pilot:
+        idle = [await _key_latency(app, pilot, "a") for _ in range(keys)]
+        app.query_one("#prompt").value = PROMPT
+        t0 = time.perf_counter()
+        await pilot.press("enter")
+        streaming = []
+        while app.busy:
+            if len(streaming) < keys:
+                streaming.append(await _key_latency(app, pilot, "b"))
+            else:
+                await asyncio.sleep(0.01)
+        wall = time.perf_counter() - t0
+        while len(app.query("MessageView")) < 3:
+            await pilot.pause()
+        n = len(app.last.token_ids) if app.last is not None else 0
+        return {"tokens": n, "tokens_per_s": n / wall, "idle": idle, "streaming": streaming}
+
+
+def _plain_turn(folder: Path, tokens: int) -> dict:
+    """The same answer through the plain REPL's path: deltas written to a stream as they come."""
+    session = ChatSession(_options(folder / f"plain-{time.monotonic_ns()}.db", tokens))
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    result = session.send(PROMPT, out.write, lambda: False)
+    wall = time.perf_counter() - t0
+    session.close()
+    return {"tokens": len(result.token_ids), "tokens_per_s": len(result.token_ids) / wall}
+
+
+def _ms(values: list[float]) -> str:
+    values = sorted(values)
+    p95 = values[min(len(values) - 1, int(0.95 * len(values)))]
+    return f"{1000 * statistics.median(values):.1f} / {1000 * p95:.1f}"
+
+
+def main() -> None:
+    args = parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="hcw-tui-"))
+    tokens, rounds, keys = (60, 2, 5) if args.quick else (200, 3, 20)
+    _plain_turn(folder, 8)  # first-call costs stay out of both
+    plain, tui = [], []
+    for _ in range(rounds):  # alternated, so drift on a noisy machine hits both alike
+        plain.append(_plain_turn(folder, tokens))
+        tui.append(asyncio.run(_tui_turn(folder, tokens, keys)))
+    p = statistics.median(r["tokens_per_s"] for r in plain)
+    t = statistics.median(r["tokens_per_s"] for r in tui)
+    idle = [x for r in tui for x in r["idle"]]
+    streaming = [x for r in tui for x in r["streaming"]]
+    overhead = 1 - t / p
+    print(f"plain {p:.1f} tok/s, TUI {t:.1f} tok/s, overhead {overhead:.1%}; key latency idle {_ms(idle)} ms, "
+          f"streaming {_ms(streaming)} ms (median / p95)")
+    if args.no_write:
+        return
+    met = "**met**" if overhead < 0.05 else "**not met**"
+    body = "\n".join([
+        f"hcw-tiny, greedy, {tokens}-token answers (end tokens ignored), {rounds} rounds alternating the plain "
+        "REPL's path and the Textual app (headless, 160×50, through Textual's pilot). Tokens/s is wall time "
+        "from submit to the answer stored, rendering included. Key latency: from a key press until the prompt "
+        "shows it, with everything the app had queued before it processed.", "",
+        "| | tokens/s | key latency ms (median / p95) |", "|---|---:|---:|",
+        f"| plain REPL path | {p:.1f} | - |",
+        f"| Textual app | {t:.1f} | idle {_ms(idle)}; streaming {_ms(streaming)} |", "",
+        f"Target (issue 7): the TUI's overhead on tokens/s vs `--plain` < 5% — {met} ({overhead:.1%}).",
+    ])
+    write_section("tui", "Workbench responsiveness (`benchmarks/tui_responsiveness.py`)", body)
+
+
+if __name__ == "__main__":
+    main()
