@@ -2,7 +2,7 @@
 and 20 chained random edits (each drops 1-79 tokens from the end and appends 1-79 new ones) on one
 engine; every step's logits are compared with a full prefill. Halfway the process "restarts": a
 new cache over the same disk tier continues the chain. hcw must be wrong 0 times and serve most
-steps by reuse."""
+steps by reuse; on Qwen3.5, DeepSeek-V4, a random hcw_hybrid and the shipped hcw-tiny."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import hf_reference as ref
 from engine import load_model
 from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
 from engine.engine import Engine
+from engine.model.loader import resolve_model
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
 from store.tier import DiskTier
 
@@ -28,6 +29,7 @@ def _models():
         "deepseek_v4": lambda folder: ref.save(ref.build_v4(seed=5, layer_types=[SWA, CSA, HCA], sliding_window=16,
                                                             compress_rates={CSA: 4, HCA: 32}, index_topk=8), folder),
         "hcw_hybrid": lambda folder: write_random_model(folder, hcw_hybrid_dict(hidden=64, window=16), seed=5),
+        "hcw-tiny": lambda folder: resolve_model("hcw-tiny"),  # the shipped, trained weights
     }
 
 
