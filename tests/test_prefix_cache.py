@@ -195,6 +195,22 @@ def test_eviction_under_budget_never_takes_pinned_segments(model):
     assert (run.logits - _cold_logits(model, prompt + [3])).abs().max().item() <= 1e-4
 
 
+def test_the_policy_changes_on_a_running_cache_and_forget_drops_what_came_after(model):
+    engine, prompt = _warm(model)
+    keep = {rec.key for rec in engine.cache.table}
+    engine.cache.set_policy("off")
+    assert engine.start(prompt + [4]).plan.usable_tokens == 0
+    engine.cache.set_policy("exact")
+    longer = prompt + list(range(40))
+    run = engine.start(longer)
+    run.finish()
+    assert run.plan.usable_tokens == len(prompt) // B * B and len(list(engine.cache.table)) > len(keep)
+    assert engine.cache.forget(keep) > 0 and {rec.key for rec in engine.cache.table} == keep
+    assert engine.start(longer).plan.usable_tokens == len(prompt) // B * B  # the longer prompt's segments are gone
+    with pytest.raises(ValueError, match="reuse must be"):
+        engine.cache.set_policy("sometimes")
+
+
 def test_reuse_off_never_reuses(model):
     engine, prompt = _warm(model, reuse="off")
     assert engine.start(prompt + [4]).plan.usable_tokens == 0

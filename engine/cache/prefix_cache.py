@@ -210,6 +210,20 @@ class PrefixCache:
             if key not in self.table:
                 self.index.remove(key)
 
+    def set_policy(self, reuse: str, replay_budget: float | None = 0.05, replay_tolerance: float | None = None) -> None:
+        """Change what the next lookups may take (exact / approximate with its budget and tolerance
+        / off); what is recorded is untouched. Checked like a new CacheConfig."""
+        self.config = replace(self.config, reuse=reuse, replay_budget=replay_budget, replay_tolerance=replay_tolerance)
+        self.validator.policy = self.config.replay_policy
+
+    def forget(self, keep: set[bytes]) -> int:
+        """Drop every record and index node whose key is not in `keep`; returns how many."""
+        gone = {rec.key for rec in self.table if rec.key not in keep} | {k for k in self.index.nodes if k not in keep}
+        for key in gone:
+            self.table.remove(key)
+            self.index.remove(key)
+        return len(gone)
+
     def should_shadow(self) -> bool:
         return self.config.shadow_fraction > 0 and self._rng.random() < self.config.shadow_fraction
 
