@@ -5,6 +5,11 @@ import os
 import pytest
 import torch
 
+# without a GPU, Triton kernels are tested through Triton's interpreter on CPU tensors; triton.jit
+# reads this when a kernel is defined, so it is set before any test imports one
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # two cores on the CI machines: more threads only adds contention
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

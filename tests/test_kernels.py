@@ -1,0 +1,77 @@
+"""Triton kernels against their torch references, on CPU through Triton's interpreter (conftest
+sets TRITON_INTERPRET=1 without a GPU), at small odd shapes, with every output allocation poisoned
+with NaN so an element a kernel does not write fails the comparison; and the dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import dispatch
+from kernels.gated_delta import recurrent_gated_delta
+from kernels.gated_delta import reference
+from kernels.gated_delta.triton_recurrent import recurrent_gated_delta as triton_recurrent
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("HCW_POISON_EMPTY", "1")
+
+
+def _inputs(b, t, hk, hv, dk, dv, dtype, seed=0, state=True):
+    g_ = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(b, t, hk, dk, generator=g_), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(b, t, hk, dk, generator=g_), dim=-1)
+    v = torch.randn(b, t, hv, dv, generator=g_)
+    g = -torch.rand(b, t, hv, generator=g_) * 2
+    beta = torch.rand(b, t, hv, generator=g_)
+    s0 = torch.randn(b, hv, dk, dv, generator=g_) if state else None
+    return [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype), s0]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("b, t, hk, hv, dk, dv", [(1, 1, 1, 1, 8, 8), (2, 5, 2, 6, 12, 20), (1, 3, 3, 3, 16, 40),
+                                                  (2, 1, 1, 4, 32, 33)])
+@pytest.mark.parametrize("state", [True, False])
+def test_recurrent_gdn_kernel_matches_the_reference(b, t, hk, hv, dk, dv, state):
+    args = _inputs(b, t, hk, hv, dk, dv, torch.float32, state=state)
+    o, s = triton_recurrent(*args, block_v=16)
+    o_ref, s_ref = reference.recurrent_gated_delta(*args)
+    assert not torch.isnan(o).any() and not torch.isnan(s).any()  # every element written
+    assert _rel(o, o_ref) < 1e-5 and _rel(s, s_ref) < 1e-5
+    assert o.dtype == o_ref.dtype and s.dtype == torch.float32
+
+
+def test_recurrent_gdn_kernel_in_bf16_keeps_a_float32_state():
+    args = _inputs(2, 4, 2, 4, 16, 24, torch.bfloat16)
+    o, s = triton_recurrent(*args)
+    o_ref, s_ref = reference.recurrent_gated_delta(*args)
+    assert o.dtype == torch.bfloat16 and _rel(o, o_ref) < 2e-2 and _rel(s, s_ref) < 1e-5
+
+
+def test_the_launcher_refuses_what_the_kernel_cannot_read():
+    q, k, v, g, beta, s0 = _inputs(1, 2, 1, 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="not contiguous"):
+        triton_recurrent(q, k, v.transpose(1, 2).contiguous().transpose(1, 2), g, beta, s0)
+    with pytest.raises(ValueError, match="initial_state: dtype"):
+        triton_recurrent(q, k, v, g, beta, s0.double())
+    with pytest.raises(ValueError, match="shape"):
+        triton_recurrent(q, k, v, g[:, :1], beta, s0)
+    with pytest.raises(ValueError, match="multiple"):
+        triton_recurrent(*_inputs(1, 2, 2, 3, 8, 8, torch.float32))  # 3 value heads over 2 key heads
+
+
+def test_dispatch_runs_the_reference_on_cpu_and_triton_when_forced(monkeypatch):
+    args = _inputs(1, 2, 1, 2, 8, 8, torch.float32)
+    calls = []
+    monkeypatch.setattr(reference, "recurrent_gated_delta", lambda *a: calls.append("reference") or ("r", None))
+    assert recurrent_gated_delta(*args)[0] == "r" and calls == ["reference"]
+    monkeypatch.setenv("HCW_KERNELS", "triton")  # on CPU: the interpreter
+    o, _ = recurrent_gated_delta(args[0], args[1], args[2].transpose(1, 2).contiguous().transpose(1, 2), *args[3:])
+    assert o.shape == args[2].shape and calls == ["reference"]  # non-contiguous views are made dense first
+    monkeypatch.setenv("HCW_KERNELS", "sometimes")
+    with pytest.raises(ValueError, match="HCW_KERNELS"):
+        dispatch.use_triton(args[0])
