@@ -36,6 +36,8 @@ async def _say(app: ChatApp, pilot, text: str) -> None:
     await pilot.press("enter")
     await pilot.pause()
     await app.workers.wait_for_complete()
+    while app.busy:  # the turn's end reaches the UI thread after the worker finishes
+        await pilot.pause(0.02)
     await pilot.pause()
 
 
@@ -170,3 +172,46 @@ def test_the_workbench_layout_snapshot(model_dir, tmp_path, monkeypatch, snap_co
     monkeypatch.setattr(psutil.Process, "memory_info", lambda self: Memory())
     app = _app(model_dir, tmp_path / "snap.db")
     assert snap_compare(app, terminal_size=(150, 40))
+
+
+def _pin_screen(monkeypatch):
+    """Ids, memory and timings pinned so a picture after real turns is reproducible."""
+    import itertools
+    import re
+
+    import psutil
+
+    from workbench import plain
+    from workbench.tui import app as app_module
+
+    counter = itertools.count()
+    monkeypatch.setattr("store.conversations.secrets.token_hex", lambda n: f"{next(counter):0{2 * n}x}")
+
+    class Memory:
+        rss = 512 << 20
+    monkeypatch.setattr(psutil.Process, "memory_info", lambda self: Memory())
+
+    def timeless(fn):
+        return lambda *a: re.sub(r"[\d.]+ tok/s", "# tok/s", re.sub(r"TTFT \d+ ms", "TTFT # ms", fn(*a)))
+    monkeypatch.setattr(plain, "status_line", timeless(plain.status_line))
+    monkeypatch.setattr(app_module, "stats_line", timeless(app_module.stats_line))
+
+
+@pytest.mark.parametrize("screen", ["hit", "fault-and-branch"])
+def test_the_workbench_after_turns_snapshot(model_dir, tmp_path, monkeypatch, snap_compare, screen):
+    """The main screens after real turns: a miss then a hit (every pane filled in); a fault drill
+    that fails validation layer 3, then a branch (two tips in the tree)."""
+    _pin_screen(monkeypatch)
+    app = _app(model_dir, tmp_path / "turns.db")
+
+    async def turns(pilot):
+        app.query_one("#prompt").cursor_blink = False  # a blinking cursor would make the picture racy
+        await _say(app, pilot, FACT)
+        await _say(app, pilot, "What is the code for Mira?")
+        if screen == "fault-and-branch":
+            await _say(app, pilot, "/fault evict-compressed")
+            await _say(app, pilot, "And again?")
+            await _say(app, pilot, "/branch side")
+            await _say(app, pilot, "Another question.")
+        await pilot.pause()
+    assert snap_compare(app, terminal_size=(150, 45), run_before=turns)
