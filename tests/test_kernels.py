@@ -75,3 +75,53 @@ def test_dispatch_runs_the_reference_on_cpu_and_triton_when_forced(monkeypatch):
     monkeypatch.setenv("HCW_KERNELS", "sometimes")
     with pytest.raises(ValueError, match="HCW_KERNELS"):
         dispatch.use_triton(args[0])
+
+
+@pytest.mark.parametrize("b, n, w, d", [(1, 1, 4, 8), (2, 3, 8, 20), (1, 5, 3, 70), (2, 0, 4, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressor_pooling_kernel_matches_the_reference(b, n, w, d, dtype):
+    from kernels.compressor import reference as ref
+    from kernels.compressor.triton_pool import pool
+
+    g_ = torch.Generator().manual_seed(1)
+    kv = torch.randn(b, n, w, d, generator=g_).to(dtype)
+    gate = torch.randn(b, n, w, d, generator=g_).to(dtype)
+    if n and w % 2 == 0:
+        gate[:, 0, : w // 2] = float("-inf")  # an overlapping window with no previous half
+    out, expected = pool(kv, gate, block_d=16), ref.pool(kv, gate)
+    assert out.shape == expected.shape == (b, n, d) and not torch.isnan(out).any()
+    if n:
+        assert _rel(out, expected) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("b, t, h, di, n, rate", [(1, 1, 1, 8, 3, 4), (2, 5, 3, 12, 9, 4), (1, 7, 2, 16, 40, 2)])
+def test_indexer_scoring_kernel_matches_the_reference(b, t, h, di, n, rate):
+    from kernels.indexer import reference as ref
+    from kernels.indexer.triton_score import score
+
+    g_ = torch.Generator().manual_seed(2)
+    q = torch.randn(b, t, h, di, generator=g_)
+    keys = torch.randn(b, n, di, generator=g_)
+    weights = torch.randn(b, t, h, generator=g_)
+    positions = torch.arange(n * rate - t - 2, n * rate - 2)  # some entries still open for the early queries
+    out, expected = score(q, keys, weights, positions, rate, block_n=8), ref.score(q, keys, weights, positions, rate)
+    assert not torch.isnan(out).any()
+    assert torch.equal(torch.isinf(out), torch.isinf(expected)) and torch.isinf(expected).any()
+    finite = torch.isfinite(expected)
+    assert _rel(out[finite], expected[finite]) < 1e-5
+
+
+def test_a_v4_model_gives_the_same_logits_with_the_kernels_forced(monkeypatch):
+    """The engine's compressor and indexer go through the dispatch: forcing Triton (the
+    interpreter, on CPU) changes nothing but rounding."""
+    from engine.config import ModelConfig
+    from engine.model.hybrid import HybridModel
+    from engine.model.random_init import hcw_hybrid_dict, init_random
+
+    model = init_random(HybridModel(ModelConfig.from_dict(hcw_hybrid_dict(hidden=64))), 0).eval()
+    ids = torch.randint(0, 263, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids)
+        monkeypatch.setenv("HCW_KERNELS", "triton")
+        forced = model(ids)
+    assert (forced - expected).abs().max().item() <= 1e-4

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from engine.cache.states import CompressedState, V4AttnState, WindowState
+from kernels.compressor import pool
+from kernels.indexer import score
 from engine.config import ModelConfig
 from engine.model.norm import RMSNorm
 from engine.model.rope import InterleavedRotary
@@ -79,8 +81,7 @@ class Compressor(nn.Module):
             win_gate = gate[:, :usable].view(b, n, self.rate, -1) + self.ape
             if self.overlap:
                 win_kv, win_gate = self._pair_windows(win_kv, win_gate, state)
-            weights = win_gate.softmax(dim=2, dtype=torch.float32).to(win_kv.dtype)
-            pooled = self.norm((win_kv * weights).sum(dim=2))  # [B, n, D]
+            pooled = self.norm(pool(win_kv, win_gate))  # [B, n, D]
             positions = first + self.rate * torch.arange(n, device=x.device)
             new = self.rotary.apply(pooled.unsqueeze(2), positions).squeeze(2)
         if state is None:
@@ -146,11 +147,7 @@ class Indexer(nn.Module):
         b, t, _ = x.shape
         q = self.wq_b(q_residual).view(b, t, self.n_heads, self.head_dim)
         q = self.rotary.apply(q, positions)
-        scores = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu() * self.head_dim ** -0.5
-        weights = self.weights_proj(x).float() * self.n_heads ** -0.5
-        scores = (scores * weights[..., None]).sum(dim=2)
-        closed = torch.arange(keys.shape[1], device=x.device)[None, :] < ((positions + 1) // self.rate)[:, None]
-        return scores.masked_fill(~closed, float("-inf"))
+        return score(q, keys, self.weights_proj(x).float() * self.n_heads ** -0.5, positions, self.rate)
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor, stable: bool = True) -> torch.Tensor:
         k = min(self.topk, scores.shape[-1])
