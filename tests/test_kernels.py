@@ -12,6 +12,9 @@ from kernels.gated_delta import recurrent_gated_delta
 from kernels.gated_delta import reference
 from kernels.gated_delta.triton_recurrent import recurrent_gated_delta as triton_recurrent
 
+# on a GPU machine the kernels run compiled on CUDA tensors; without one, through the interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
@@ -25,8 +28,8 @@ def _inputs(b, t, hk, hv, dk, dv, dtype, seed=0, state=True):
     v = torch.randn(b, t, hv, dv, generator=g_)
     g = -torch.rand(b, t, hv, generator=g_) * 2
     beta = torch.rand(b, t, hv, generator=g_)
-    s0 = torch.randn(b, hv, dk, dv, generator=g_) if state else None
-    return [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype), s0]
+    s0 = torch.randn(b, hv, dk, dv, generator=g_).to(DEVICE) if state else None
+    return [x.to(DEVICE, dtype) for x in (q, k, v)] + [g.to(DEVICE), beta.to(DEVICE, dtype), s0]
 
 
 def _rel(a, b):
@@ -64,6 +67,7 @@ def test_the_launcher_refuses_what_the_kernel_cannot_read():
         triton_recurrent(*_inputs(1, 2, 2, 3, 8, 8, torch.float32))  # 3 value heads over 2 key heads
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="dispatch on CPU tensors; on CUDA the kernel runs by default")
 def test_dispatch_runs_the_reference_on_cpu_and_triton_when_forced(monkeypatch):
     args = _inputs(1, 2, 1, 2, 8, 8, torch.float32)
     calls = []
@@ -84,8 +88,8 @@ def test_compressor_pooling_kernel_matches_the_reference(b, n, w, d, dtype):
     from kernels.compressor.triton_pool import pool
 
     g_ = torch.Generator().manual_seed(1)
-    kv = torch.randn(b, n, w, d, generator=g_).to(dtype)
-    gate = torch.randn(b, n, w, d, generator=g_).to(dtype)
+    kv = torch.randn(b, n, w, d, generator=g_).to(DEVICE, dtype)
+    gate = torch.randn(b, n, w, d, generator=g_).to(DEVICE, dtype)
     if n and w % 2 == 0:
         gate[:, 0, : w // 2] = float("-inf")  # an overlapping window with no previous half
     out, expected = pool(kv, gate, block_d=16), ref.pool(kv, gate)
@@ -100,10 +104,10 @@ def test_indexer_scoring_kernel_matches_the_reference(b, t, h, di, n, rate):
     from kernels.indexer.triton_score import score
 
     g_ = torch.Generator().manual_seed(2)
-    q = torch.randn(b, t, h, di, generator=g_)
-    keys = torch.randn(b, n, di, generator=g_)
-    weights = torch.randn(b, t, h, generator=g_)
-    positions = torch.arange(n * rate - t - 2, n * rate - 2)  # some entries still open for the early queries
+    q = torch.randn(b, t, h, di, generator=g_).to(DEVICE)
+    keys = torch.randn(b, n, di, generator=g_).to(DEVICE)
+    weights = torch.randn(b, t, h, generator=g_).to(DEVICE)
+    positions = torch.arange(n * rate - t - 2, n * rate - 2, device=DEVICE)  # some entries still open for early queries
     out, expected = score(q, keys, weights, positions, rate, block_n=8), ref.score(q, keys, weights, positions, rate)
     assert not torch.isnan(out).any()
     assert torch.equal(torch.isinf(out), torch.isinf(expected)) and torch.isinf(expected).any()
