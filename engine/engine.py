@@ -32,6 +32,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate max_new_tokens: no stop ids, not even the model's (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -181,7 +182,7 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, state: ModelState | None = None) -> Generation:
-        stops = set(params.stop_ids) | set(self.model.config.eos_token_ids)
+        stops = set() if params.ignore_eos else set(params.stop_ids) | set(self.model.config.eos_token_ids)
         sampler = Sampler(params, self.model.device)
         timings = Timings(prompt_n=len(prompt_ids))
 

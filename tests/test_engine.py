@@ -85,6 +85,17 @@ def test_stop_token_ends_generation(hf_and_ours):
     stopped = engine.generate(prompt, SamplingParams(max_new_tokens=12, greedy=True, stop_ids=(greedy[3],)))
     assert stopped.stop_reason == "stop"
     assert stopped.token_ids == greedy[: greedy.index(greedy[3]) + 1]
+    # ignore_eos (benchmarks): neither the given stop ids nor the model's end tokens stop it
+    import dataclasses
+
+    saved = model.config
+    model.config = dataclasses.replace(saved, eos_token_ids=(greedy[3],))
+    try:
+        ignored = engine.generate(prompt, SamplingParams(max_new_tokens=12, greedy=True, stop_ids=(greedy[3],),
+                                                         ignore_eos=True))
+    finally:
+        model.config = saved
+    assert ignored.stop_reason == "length" and ignored.token_ids == greedy
 
 
 def test_streaming_callback_sees_every_token_in_order(hf_and_ours):

@@ -289,7 +289,7 @@ class ChatSession:
     def sampling(self) -> SamplingParams:
         o = self.opts
         return SamplingParams(max_new_tokens=o.max_new_tokens, greedy=o.greedy, temperature=o.temperature,
-                              top_p=o.top_p, seed=o.seed, stop_ids=() if o.ignore_eos else self.tok.eos_ids)
+                              top_p=o.top_p, seed=o.seed, stop_ids=self.tok.eos_ids, ignore_eos=o.ignore_eos)
 
     def cold_answer(self) -> str:
         """The thread's last answer computed again by a fresh engine with no cache: the oracle a
