@@ -195,9 +195,9 @@ def test_eviction_under_budget_never_takes_pinned_segments(model):
     assert (run.logits - _cold_logits(model, prompt + [3])).abs().max().item() <= 1e-4
 
 
-def test_the_policy_changes_on_a_running_cache_and_forget_drops_what_came_after(model):
+def test_the_policy_changes_on_a_running_cache_and_rollback_drops_what_came_after(model):
     engine, prompt = _warm(model)
-    keep = {rec.key for rec in engine.cache.table}
+    keep = engine.cache.mark()
     engine.cache.set_policy("off")
     assert engine.start(prompt + [4]).plan.usable_tokens == 0
     engine.cache.set_policy("exact")
@@ -205,8 +205,18 @@ def test_the_policy_changes_on_a_running_cache_and_forget_drops_what_came_after(
     run = engine.start(longer)
     run.finish()
     assert run.plan.usable_tokens == len(prompt) // B * B and len(list(engine.cache.table)) > len(keep)
-    assert engine.cache.forget(keep) > 0 and {rec.key for rec in engine.cache.table} == keep
+    assert engine.cache.rollback(keep) > 0 and engine.cache.mark() == keep
     assert engine.start(longer).plan.usable_tokens == len(prompt) // B * B  # the longer prompt's segments are gone
+    # an exact recompute from the start adds checkpoints to segments that were there: rolled back too
+    engine.cache.rollback(keep)
+    records = _records(engine, prompt)
+    for rec in records[1:]:
+        engine.cache.table.drop(rec.key, lambda layer, kind, p: not p.per_segment)
+    bare = engine.cache.mark()
+    engine.start(prompt + [7]).finish()
+    assert engine.cache.mark() != bare
+    engine.cache.rollback(bare)
+    assert engine.cache.mark() == bare
     with pytest.raises(ValueError, match="reuse must be"):
         engine.cache.set_policy("sometimes")
 

@@ -120,22 +120,22 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
             ref_correct = bool((_continue(m, ref.logits, ref.state, answer).argmax(-1) == torch.tensor(answer)).all())
             full.append({"ttft_ms": full_ms, "correct": ref_correct})
             # the context is cached once per checkpoint setting; each policy then resumes from it,
-            # and what its own request wrote is forgotten before the next one
-            warmed: dict[int, tuple[Engine, set[bytes]]] = {}
+            # and the cache is rolled back to that before the next one (records and checkpoints)
+            warmed: dict[int, tuple[Engine, dict]] = {}
             for b in budgets:
                 if b.checkpoint_every not in warmed:
                     cfg = CacheConfig(block_size=block_size, checkpoint_every=b.checkpoint_every,
                                       checkpoint_branch_point=False)
                     engine = Engine(m, cache=PrefixCache(m, cfg))
                     engine.start(warm).finish()
-                    warmed[b.checkpoint_every] = engine, {rec.key for rec in engine.cache.table}
+                    warmed[b.checkpoint_every] = engine, engine.cache.mark()
                 engine, keep = warmed[b.checkpoint_every]
                 engine.cache.set_policy(b.reuse, b.budget if b.reuse == "approximate" else 0.05, b.tolerance)
                 t0 = time.perf_counter()
                 run = engine.start(asked)
                 ttft = 1000 * (time.perf_counter() - t0)
                 run.finish()
-                engine.cache.forget(keep)
+                engine.cache.rollback(keep)
                 logits = _continue(m, run.logits, run.state, follow)
                 kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref_logits.log_softmax(-1), log_target=True,
                                                 reduction="none").sum(-1)

@@ -135,6 +135,7 @@ def bench_replay(
     else:
         typer.echo(markdown(report))
     if write_docs:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ lives beside the packages
         from benchmarks.report import DOC, write_section
 
         name = re.sub(r"[^A-Za-z0-9.]+", "-", Path(model).name).strip("-")  # one section per model

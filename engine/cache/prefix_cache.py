@@ -216,12 +216,21 @@ class PrefixCache:
         self.config = replace(self.config, reuse=reuse, replay_budget=replay_budget, replay_tolerance=replay_tolerance)
         self.validator.policy = self.config.replay_policy
 
-    def forget(self, keep: set[bytes]) -> int:
-        """Drop every record and index node whose key is not in `keep`; returns how many."""
-        gone = {rec.key for rec in self.table if rec.key not in keep} | {k for k in self.index.nodes if k not in keep}
+    def mark(self) -> dict[bytes, frozenset]:
+        """What the cache holds now, per record the (layer, kind) of its pieces: for `rollback`."""
+        return {rec.key: frozenset(rec.pieces) for rec in self.table}
+
+    def rollback(self, mark: dict[bytes, frozenset]) -> int:
+        """Back to `mark`: every record and index node added since is dropped, and so is every
+        piece added since to a record that was there (an exact recompute from the start adds its
+        checkpoints to the segments it passes). Returns the records dropped."""
+        gone = {rec.key for rec in self.table if rec.key not in mark} | {k for k in self.index.nodes if k not in mark}
         for key in gone:
             self.table.remove(key)
             self.index.remove(key)
+        for key, kept in mark.items():
+            if key in self.table:
+                self.table.drop(key, lambda layer, kind, piece, kept=kept: (layer, kind) not in kept)
         return len(gone)
 
     def should_shadow(self) -> bool:
