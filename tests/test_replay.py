@@ -51,10 +51,11 @@ def test_a_session_with_branches_faults_and_a_restart_replays_exactly(model_dir,
 
 
 def test_a_failed_expectation_exits_1_and_says_why(model_dir, tmp_path):
-    steps = [{"op": "user", "text": FACT, "expect": {"contains": "no such text", "outcome": "hit"}}]
+    steps = [{"op": "user", "text": FACT, "expect": {"contains": "no such text", "outcome": "hit", "approximate": True}}]
     res = CliRunner().invoke(app, ["replay", _script(tmp_path, model_dir, steps)])
     assert res.exit_code == 1
     assert "does not contain 'no such text'" in res.stdout and "outcome miss, expected hit" in res.stdout
+    assert "the plan was exact, expected approximate" in res.stdout
     assert "1 failed" in res.stdout
 
 

@@ -12,7 +12,8 @@ A session file is JSON lines, one step each (blank lines and lines starting with
 
 `config` may only come first. Expectations of an answer: `outcome` (hit | degraded | miss |
 recomputed, or a list of them), `contains` (text), `exact` (true: the answer equals a fresh
-no-cache run of the same conversation), `min_cached_tokens`. A session runs in a temporary
+no-cache run of the same conversation), `min_cached_tokens`, `approximate` (whether the plan was
+labelled approximate: a Tail-Replay). A session runs in a temporary
 database unless --db is given. Exit status: 0 all expectations met, 1 some failed, 2 a bad file.
 """
 
@@ -29,7 +30,7 @@ from workbench.session import ChatOptions, ChatSession, TurnResult, parse_budget
 
 OPS = {"config", "user", "edit", "branch", "fork", "switch", "fault", "restart", "save"}
 CONFIG_KEYS = {"model", "reuse", "replay_budget", "replay_tolerance", "max_new_tokens", "block_size", "checkpoint_every", "system"}
-EXPECT_KEYS = {"outcome", "contains", "exact", "min_cached_tokens"}
+EXPECT_KEYS = {"outcome", "contains", "exact", "min_cached_tokens", "approximate"}
 
 
 class ScriptError(ValueError):
@@ -109,6 +110,9 @@ def check(session: ChatSession, result: TurnResult, expect: dict) -> list[str]:
         failures.append(f"answer {result.text!r} does not contain {expect['contains']!r}")
     if "min_cached_tokens" in expect and result.cached_tokens < expect["min_cached_tokens"]:
         failures.append(f"{result.cached_tokens} cached tokens, expected >= {expect['min_cached_tokens']}")
+    if "approximate" in expect and (not result.exact) != bool(expect["approximate"]):
+        failures.append(f"the plan was {'approximate' if not result.exact else 'exact'}, expected "
+                        f"{'approximate' if expect['approximate'] else 'exact'}")
     if expect.get("exact"):
         cold = session.cold_answer()
         if cold != result.text:
