@@ -1,5 +1,6 @@
-"""The wheel and the sdist carry what a fresh install needs besides code: hcw-tiny's weights and
-config (so `load_model("hcw-tiny")` and `hcw chat` work with no download) and the TUI stylesheet."""
+"""The wheel and the sdist carry what a fresh install needs besides code: the built-in models'
+weights and configs (so `load_model("hcw-tiny")` and `hcw chat` work with no download, and so does
+`hcw bench replay --model hcw-tiny-qwen3.5`) and the TUI stylesheet."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NEEDED = ("engine/models/hcw-tiny/config.json", "engine/models/hcw-tiny/model.safetensors", "workbench/tui/app.tcss")
+NEEDED = ("engine/models/hcw-tiny/config.json", "engine/models/hcw-tiny/model.safetensors",
+          "engine/models/hcw-tiny-qwen3.5/config.json", "engine/models/hcw-tiny-qwen3.5/model.safetensors",
+          "workbench/tui/app.tcss")
 
 
 def test_wheel_and_sdist_ship_the_default_model_and_the_stylesheet(tmp_path):

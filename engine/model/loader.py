@@ -30,7 +30,10 @@ class WeightsError(ValueError):
 
 
 # models shipped inside the package (package data), loadable by name
-BUILTIN_MODELS = {"hcw-tiny": Path(__file__).resolve().parent.parent / "models" / "hcw-tiny"}
+_MODELS = Path(__file__).resolve().parent.parent / "models"
+# hcw-tiny: every layer kind (the default); hcw-tiny-qwen3.5: the Qwen3.5 architecture (3 GDN : 1
+# gated attention) trained by the same script on the same data, for Tail-Replay's measurements
+BUILTIN_MODELS = {"hcw-tiny": _MODELS / "hcw-tiny", "hcw-tiny-qwen3.5": _MODELS / "hcw-tiny-qwen3.5"}
 
 
 def resolve_model(path: str | Path) -> Path:
