@@ -15,6 +15,7 @@ import os
 import torch
 
 MODES = ("auto", "reference", "triton")
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels take for activations
 
 
 def mode() -> str:

@@ -72,6 +72,11 @@ def _continue(model, logits: torch.Tensor, state, tokens: list[int]) -> torch.Te
     return torch.stack(rows)
 
 
+def _answers(model, run, answer: list[int]) -> bool:
+    """Greedy decoding from `run` would produce `answer`: every teacher-forced argmax matches."""
+    return bool((_continue(model, run.logits, run.state, answer).argmax(-1).cpu() == torch.tensor(answer)).all())
+
+
 def _greedy(model, logits: torch.Tensor, state, n: int) -> list[int]:
     state = copy.deepcopy(state)
     out = [int(logits.argmax())]
@@ -117,7 +122,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
             full_ms = 1000 * (time.perf_counter() - t0)
             follow = _greedy(m, ref.logits, ref.state, FOLLOW)
             ref_logits = _continue(m, ref.logits, ref.state, follow)
-            ref_correct = bool((_continue(m, ref.logits, ref.state, answer).argmax(-1) == torch.tensor(answer)).all())
+            ref_correct = _answers(m, ref, answer)
             full.append({"ttft_ms": full_ms, "correct": ref_correct})
             # the context is cached once per checkpoint setting; each policy then resumes from it,
             # and the cache is rolled back to that before the next one (records and checkpoints)
@@ -142,7 +147,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                 errors = _state_errors(run.state, ref.state)
                 per_policy[b.label].append({
                     "ttft_ms": ttft,
-                    "correct": bool((_continue(m, run.logits, run.state, answer).argmax(-1) == torch.tensor(answer)).all()),
+                    "correct": _answers(m, run, answer),
                     "top1": float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
                     "kl": float(kl.mean()), "state_error": max(errors.values(), default=0.0), "layer_errors": errors,
                     "exact": run.plan.exact, "reused": run.plan.usable_tokens,

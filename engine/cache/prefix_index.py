@@ -50,6 +50,10 @@ class MatchResult(NamedTuple):
 
 
 class PrefixIndex:
+    # validation layer 1's token comparison. Only a test turns it off, to show what a hash-only hit
+    # (as in engines that trust the hash) does to an answer.
+    verify_tokens = True
+
     def __init__(self, block_size: int, fingerprint: bytes,
                  hash_fn: Callable[[bytes, bytes, Sequence[int]], bytes] = segment_hash):
         if block_size < 1:
@@ -57,9 +61,6 @@ class PrefixIndex:
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.hash_fn = hash_fn
-        # a fault-drill switch for tests only: with it off, a hash hit is trusted without comparing
-        # token ids, which (with a content-blind hash_fn) shows what the comparison prevents
-        self.verify_tokens = True
         self.nodes: dict[bytes, SegmentNode] = {}
         self.roots: dict[bytes, SegmentNode] = {}
         self.collisions = 0

@@ -12,9 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import check, empty
-
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+from kernels.dispatch import FLOATS, check, empty
 
 
 @triton.jit

@@ -2,9 +2,8 @@
 
 Generation runs in a worker thread and streams into the conversation pane; Esc cancels it (the
 partial answer is kept). The worker never waits for the screen: it appends text deltas to a buffer
-that the UI thread drains into the answer STREAM_HZ times a second, so rendering costs the
-generation nothing but the GIL it shares. Every answered turn is already in the database when the next one starts,
-so quitting (Ctrl-Q, or Ctrl-C) never loses one. `/commands` typed in the prompt and the command
+that the UI thread drains into the answer STREAM_HZ times a second. Every answered turn is already
+in the database when the next one starts, so quitting (Ctrl-Q, or Ctrl-C) never loses one. `/commands` typed in the prompt and the command
 palette (Ctrl-P) share the plain REPL's commands.
 """
 
