@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.derived import derived
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * scale, computed in float32.
@@ -21,9 +23,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        scale = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()
-        return (y * scale).to(x.dtype)
+        scale = derived(self, "scale", self.weight, (lambda w: w.float() + 1.0) if self.unit_offset else torch.Tensor.float)
+        return F.rms_norm(x.float(), x.shape[-1:], weight=scale, eps=self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -35,5 +36,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        if x.dtype == torch.float32 == self.weight.dtype:  # one fused op instead of two
+            y = F.rms_norm(x, x.shape[-1:], weight=self.weight, eps=self.eps)
+        else:
+            y = self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
         return (y.float() * F.silu(gate.float())).to(x.dtype)

@@ -136,10 +136,11 @@ def _chunk_block(q, k, v, g, beta, s, c: int):
         x.movedim(2, 0).contiguous() for x in (u_free, u_state, q_decayed, attn, chunk_decay))
     k_to_end_t = k_to_end.transpose(-1, -2).movedim(2, 0).contiguous()  # [N, B, H, Dk, C]
 
-    out = torch.empty(n, b, h, c, dv, dtype=torch.float32, device=v.device)
-    for i in range(n):
-        u = torch.baddbmm(u_free[i].view(-1, c, dv), u_state[i].view(-1, c, dk), s.view(-1, dk, dv),
-                          alpha=-1).view(b, h, c, dv)
-        out[i] = q_decayed[i] @ s + attn[i] @ u
-        s = s * chunk_decay[i] + k_to_end_t[i] @ u
-    return out.movedim(0, 2).reshape(b, h, t, dv), s
+    outs = []
+    s = s.reshape(b * h, dk, dv)
+    for i in range(n):  # batched over B * H: fused multiply-adds, no broadcasting matmuls
+        u = torch.baddbmm(u_free[i].view(-1, c, dv), u_state[i].view(-1, c, dk), s, alpha=-1)
+        outs.append(torch.baddbmm(torch.bmm(q_decayed[i].view(-1, c, dk), s), attn[i].view(-1, c, c), u))
+        s = torch.baddbmm(s * chunk_decay[i].view(-1, 1, 1), k_to_end_t[i].view(-1, dk, c), u)
+    out = torch.stack(outs).view(n, b, h, c, dv)
+    return out.movedim(0, 2).reshape(b, h, t, dv), s.view(b, h, dk, dv)
