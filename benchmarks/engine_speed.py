@@ -187,7 +187,7 @@ def speed_and_memory(family: Family, quick: bool):
     steps = 32 if quick else 128
     prompt = torch.randint(0, VOCAB, (512,))
     hf_d, our_d = [], []
-    for _ in range(3):
+    for _ in range(5):
         hf_d.append(hf_decode(hf, prompt, steps))
         our_d.append(ours_decode(engine, prompt, steps))
     h, o = min(hf_d), min(our_d)
