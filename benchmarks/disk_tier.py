@@ -26,7 +26,7 @@ from engine import load_model  # noqa: E402
 from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_random_model  # noqa: E402
-from store.codec import LEVEL, encode  # noqa: E402
+from store.codec import LEVEL, encode, encode_pack  # noqa: E402
 from store.tier import DiskTier  # noqa: E402
 
 BLOCK = 64
@@ -38,22 +38,29 @@ def _cache(model, db, every=8):
 
 
 def ratios(model, tokens: int) -> list[str]:
-    """Compression of each state kind's real tensors (from a prefill), fp32 and bf16, shuffle on/off."""
+    """Compression of each state kind's real tensors (from a prefill), fp32 and bf16, shuffle on/off,
+    packed as the tier stores them: one pack per segment and kind (whole-state snapshots once)."""
     engine = Engine(model)
     run = engine.start(torch.randint(0, model.config.vocab_size, (tokens,)).tolist())
-    tensors: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
-    for layer in run.state.layers:
-        for kind, piece in layer.export(0, tokens).items():
-            for t in piece.data if isinstance(piece.data, tuple) else (piece.data,):
-                if t is not None and t.numel():
-                    tensors[kind].append(t)
+    packs: dict[str, list[list[torch.Tensor]]] = collections.defaultdict(list)
+    for lo in range(0, tokens, BLOCK):
+        by_kind: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+        for layer in run.state.layers:
+            for kind, piece in layer.export(lo, lo + BLOCK).items():
+                if not piece.per_segment and lo + BLOCK < tokens:
+                    continue  # a snapshot of the whole state: counted once, at the end
+                by_kind[kind] += [t for t in (piece.data if isinstance(piece.data, tuple) else (piece.data,))
+                                  if t is not None and t.numel()]
+        for kind, ts in by_kind.items():
+            if ts:
+                packs[kind].append(ts)
     lines = ["| state kind | dtype | raw MiB | ratio, shuffled | ratio, plain |", "|---|---|---:|---:|---:|"]
-    for kind, ts in sorted(tensors.items()):
+    for kind, groups in sorted(packs.items()):
         for dtype in (torch.float32, torch.bfloat16):
-            conv = [t.to(dtype) for t in ts]
-            raw = sum(t.numel() * t.element_size() for t in conv)
-            shuf = sum(len(encode(t)) for t in conv)
-            plain = sum(len(encode(t, shuffle=False)) for t in conv)
+            conv = [[t.to(dtype) for t in ts] for ts in groups]
+            raw = sum(t.numel() * t.element_size() for ts in conv for t in ts)
+            shuf = sum(len(encode_pack(ts)) for ts in conv)
+            plain = sum(len(encode_pack(ts, shuffle=False)) for ts in conv)
             lines.append(f"| {kind} | {str(dtype).replace('torch.', '')} | {raw / 2**20:.2f} | {raw / shuf:.2f}x | "
                          f"{raw / plain:.2f}x |")
     return lines
@@ -132,7 +139,8 @@ def main() -> None:
     lines += ["", "**zstd level** (all state of the same prefill, as bf16):", ""] + levels(mixed, 2048)
     lines += ["", "**Resume from disk vs recompute** (Qwen3.5-style; a fresh cache with only the database, as in a "
               "new process). *Restore* is the tier alone: every segment's rows read, lengths and checksums verified, "
-              "blobs decompressed (one zstd multi-frame call per segment) and un-shuffled into tensors; *resume* "
+              "blobs (one pack per segment and state kind) decompressed in one zstd multi-frame call per segment and "
+              "un-shuffled into tensors; *resume* "
               "adds validation, state assembly and the prefill of the new token. Raw zstd is a single-threaded "
               "loop over the same frames.", "", "| context | recompute s | resume s | speed-up | stored / raw MiB | "
               "blobs | restore MB/s | resume MB/s | raw zstd MB/s | restore / raw zstd |",

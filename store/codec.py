@@ -1,8 +1,14 @@
-"""Blob format for one tensor on disk.
+"""Blob formats on disk: one tensor ("HCWB"), or a pack of same-dtype tensors ("HCWP").
 
-    header   magic "HCWB" | format version u8 | dtype code u8 | ndim u8 | shuffle u8 | shape u64 x ndim
-    payload  zstd frame (content size and content checksum on) of the tensor's bytes, byte-shuffled:
-             byte plane 0 of every element, then plane 1, ... (floats compress far better that way)
+    tensor   magic "HCWB" | format version u8 | dtype code u8 | ndim u8 | shuffle u8 | shape u64 x ndim
+    pack     magic "HCWP" | format version u8 | dtype code u8 | shuffle u8 | count u32
+             | per tensor: ndim u8, shape u64 x ndim
+    payload  zstd frame (content size and content checksum on) of the tensors' bytes, concatenated and
+             byte-shuffled: byte plane 0 of every element, then plane 1, ... (floats compress far
+             better that way)
+
+The disk tier writes packs: one per segment and state kind, so a restore pays the per-blob costs
+(row, checksum, header, frame, un-shuffle) a few times per segment instead of once per tensor.
 
 `decode` trusts nothing: the header must parse, the dtype be known, the frame's declared content
 size must equal what the header's shape implies *before* anything is decompressed (a corrupt
@@ -28,6 +34,9 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int3
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _ITEMSIZE = [torch.empty(0, dtype=d).element_size() for d in _DTYPES]
 _HEAD = struct.Struct("<4sBBBB")
+PACK_MAGIC = b"HCWP"
+_PACK_HEAD = struct.Struct("<4sBBBI")
+MAX_PACK = 1 << 16  # tensors in one pack: a larger count is a corrupt header
 LEVEL = 1  # measured (docs/BENCHMARKS.md, disk tier): higher levels gain no ratio on these planes and lose speed
 
 
@@ -61,9 +70,27 @@ def encode(t: torch.Tensor, level: int = LEVEL, shuffle: bool = True) -> bytes:
     return head + frame
 
 
+def encode_pack(tensors: list[torch.Tensor], level: int = LEVEL, shuffle: bool = True) -> bytes:
+    """One blob for several tensors of one dtype, shuffled and compressed together."""
+    if not tensors or len(tensors) > MAX_PACK:
+        raise BlobError(f"a pack holds 1 to {MAX_PACK} tensors, not {len(tensors)}")
+    dtype = tensors[0].dtype
+    if dtype not in _CODE or any(t.dtype != dtype for t in tensors):
+        raise BlobError(f"a pack holds tensors of one encodable dtype, got {sorted({str(t.dtype) for t in tensors})}")
+    flat = [t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for t in tensors]
+    raw = torch.cat(flat).numpy() if sum(f.numel() for f in flat) else np.zeros(0, dtype=np.uint8)
+    itemsize = tensors[0].element_size()
+    shuffled = shuffle and itemsize > 1
+    payload = _shuffle(raw, itemsize) if shuffled else raw.tobytes()
+    head = _PACK_HEAD.pack(PACK_MAGIC, VERSION, _CODE[dtype], int(shuffled), len(tensors))
+    shapes = b"".join(struct.pack(f"<B{t.dim()}Q", t.dim(), *t.shape) for t in tensors)
+    frame = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(payload)
+    return head + shapes + frame
+
+
 class _Header(NamedTuple):
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] | list[tuple[int, ...]]  # a pack: one shape per tensor
     itemsize: int
     shuffled: bool
     expected: int  # bytes the payload decompresses to
@@ -90,34 +117,85 @@ def _parse(blob: bytes) -> _Header:
     dtype = _DTYPES[code]
     itemsize = _ITEMSIZE[code]
     expected = math.prod(shape) * itemsize if ndim else itemsize
-    frame = memoryview(blob)[end:]
+    return _checked_frame(blob, end, dtype, shape, itemsize, bool(shuffled), expected)
+
+
+def _parse_pack(blob: bytes) -> _Header:
+    if len(blob) < _PACK_HEAD.size:
+        raise BlobError("blob shorter than its header")
+    magic, version, code, shuffled, count = _PACK_HEAD.unpack_from(blob)
+    if magic != PACK_MAGIC:
+        raise BlobError("bad magic")
+    if version != VERSION:
+        raise BlobError(f"format version {version}, expected {VERSION}")
+    if code >= len(_DTYPES):
+        raise BlobError(f"unknown dtype code {code}")
+    if not 0 < count <= MAX_PACK:
+        raise BlobError(f"a pack of {count} tensors")
+    shapes, at = [], _PACK_HEAD.size
+    for _ in range(count):
+        if len(blob) < at + 1 or len(blob) < at + 1 + 8 * blob[at]:
+            raise BlobError("blob shorter than its shapes")
+        ndim = blob[at]
+        if ndim > 8:
+            raise BlobError(f"{ndim} dimensions")
+        shapes.append(struct.unpack_from(f"<{ndim}Q", blob, at + 1))
+        at += 1 + 8 * ndim
+    itemsize = _ITEMSIZE[code]
+    expected = sum(math.prod(shape) for shape in shapes) * itemsize
+    return _checked_frame(blob, at, _DTYPES[code], shapes, itemsize, bool(shuffled), expected)
+
+
+def _checked_frame(blob, at, dtype, shape, itemsize, shuffled, expected) -> _Header:
+    frame = memoryview(blob)[at:]
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as e:
         raise BlobError(f"bad zstd frame header: {e}") from None
     if declared != expected:
         raise BlobError(f"frame declares {declared} bytes, the shape needs {expected}")
-    return _Header(dtype, shape, itemsize, bool(shuffled), expected, frame)
+    return _Header(dtype, shape, itemsize, shuffled, expected, frame)
 
 
-def _tensor(h: _Header, raw) -> torch.Tensor:
-    """The tensor from its decompressed payload: one copy (the un-shuffle, or, unshuffled, a
-    writable copy); torch then shares that memory."""
+def _tensor(h: _Header, raw) -> torch.Tensor | list[torch.Tensor]:
+    return _views(h, _payload(h, raw))
+
+
+def _payload(h: _Header, raw) -> np.ndarray:
+    """The decompressed bytes in element order, in memory of their own: one copy (the un-shuffle,
+    or, unshuffled, a writable copy). numpy copies outside the GIL."""
     flat = np.frombuffer(raw, dtype=np.uint8)
     if len(flat) != h.expected:
         raise BlobError(f"{len(flat)} bytes decompressed, expected {h.expected}")
-    if not h.expected:
-        return torch.empty(h.shape, dtype=h.dtype)
-    if h.shuffled:
-        # plane by plane into the interleaved layout: ~3x faster than a transposed copy (measured)
-        planes = flat.reshape(h.itemsize, -1)
-        out = np.empty((planes.shape[1], h.itemsize), dtype=np.uint8)
-        for i in range(h.itemsize):
-            out[:, i] = planes[i]
-        flat = out.reshape(-1)
-    else:
-        flat = flat.copy()
-    return torch.from_numpy(flat).view(h.dtype).reshape(h.shape)
+    if not h.shuffled or not h.expected:
+        return flat.copy()
+    # plane by plane into the interleaved layout: ~3x faster than a transposed copy (measured)
+    planes = flat.reshape(h.itemsize, -1)
+    out = np.empty((planes.shape[1], h.itemsize), dtype=np.uint8)
+    for i in range(h.itemsize):
+        out[:, i] = planes[i]
+    return out.reshape(-1)
+
+
+def _views(h: _Header, payload: np.ndarray) -> torch.Tensor | list[torch.Tensor]:
+    """The tensor, or a pack's tensors, as views of the payload's memory."""
+    values = torch.from_numpy(payload).view(h.dtype) if h.expected else torch.empty(0, dtype=h.dtype)
+    if not isinstance(h.shape, list):
+        return values.view(h.shape)
+    out, at = [], 0
+    for shape in h.shape:
+        n = math.prod(shape)
+        out.append(values.as_strided(shape, _strides(shape), at))
+        at += n
+    return out
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
 
 
 _local = threading.local()
@@ -133,24 +211,40 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def decode(blob: bytes) -> torch.Tensor:
-    h = _parse(blob)
+    value = _decode_one(blob)
+    if isinstance(value, list):
+        raise BlobError("a pack where one tensor was expected")
+    return value
+
+
+def _decode_one(blob: bytes) -> torch.Tensor | list[torch.Tensor]:
+    h = _parse_pack(blob) if blob[:4] == PACK_MAGIC else _parse(blob)
+    return _tensor(h, _decompress(h))
+
+
+def _decompress(h: _Header) -> bytes:
     try:
-        raw = _decompressor().decompress(h.frame, max_output_size=h.expected)
+        return _decompressor().decompress(h.frame, max_output_size=h.expected)
     except zstandard.ZstdError as e:
         raise BlobError(f"zstd: {e}") from None
-    return _tensor(h, raw)
 
 
-def decode_many(blobs: list[bytes], threads: int = 1) -> list[torch.Tensor | BlobError]:
-    """`decode` of many blobs at once, each result a tensor or the BlobError that blob raised.
-    The frames are decompressed in one call (zstd's multi-frame API, on `threads` threads; 0:
-    one per core, which only pays for large segments): per-blob overhead, not zstd, is what
-    limits a restore of many small blobs."""
-    out: list[torch.Tensor | BlobError] = []
+def decode_pack(blob: bytes) -> list[torch.Tensor]:
+    value = decode_many([blob])[0]
+    if isinstance(value, BlobError):
+        raise value
+    return value
+
+
+def decode_many(blobs: list[bytes], threads: int = 1) -> list[torch.Tensor | list[torch.Tensor] | BlobError]:
+    """`decode` of many blobs at once (tensors or packs), each result a tensor, a pack's list of
+    tensors, or the BlobError that blob raised. The frames are decompressed in one call (zstd's
+    multi-frame API, on `threads` threads; 0: one per core, which only pays for large segments)."""
+    out: list = []
     headers: list[tuple[int, _Header]] = []
     for i, blob in enumerate(blobs):
         try:
-            headers.append((i, _parse(blob)))
+            headers.append((i, _parse_pack(blob) if blob[:4] == PACK_MAGIC else _parse(blob)))
             out.append(None)
         except BlobError as e:
             out.append(e)
@@ -158,10 +252,10 @@ def decode_many(blobs: list[bytes], threads: int = 1) -> list[torch.Tensor | Blo
     try:
         raws = iter(_decompressor().multi_decompress_to_buffer(frames, threads=threads or -1) if frames else [])
     except zstandard.ZstdError:
-        raws = None  # some frame is bad: decode one by one to tell which
+        raws = None  # some frame is bad: decompress one by one to tell which
     for i, h in headers:
         try:
-            out[i] = _tensor(h, next(raws) if h.expected else b"") if raws is not None else decode(blobs[i])
+            out[i] = _tensor(h, (next(raws) if h.expected else b"") if raws is not None else _decompress(h))
         except BlobError as e:
             out[i] = e
     return out

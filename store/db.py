@@ -5,9 +5,12 @@ One file per workbench home. Tables:
     segments  chained segment key, parent key, index, layout fingerprint, token ids (int64 bytes),
               their digest, per-state presence (JSON), bytes; written in the same transaction as
               its blobs, so a segment row is never visible without its data
-    blobs     one encoded tensor per (segment, layer, kind, part): codec, raw length, stored length,
-              checksum (xxh3-128 over the blob *and* its identity, so a blob moved to another row
-              fails), the bytes
+    blobs     one pack per (segment, state kind, dtype): the tensors of every layer and part of that
+              kind (codec hcwp1+zstd; `members` lists each one's layer, part, per-segment flag and
+              position), raw length, stored length, checksum (xxh3-128 over the blob *and* its
+              identity, members included, so a blob moved or relabelled fails), the bytes. Rows
+              written before packs (codec hcwb1+zstd: one tensor, identity in layer/part/
+              per_segment/position) are still read
     conversations, messages, threads
               chats as a message tree (store/conversations.py): messages content-addressed under
               their parent, threads a named mutable tip
@@ -54,6 +57,11 @@ def m002_conversations(db: sqlite_utils.Database) -> None:
     db["messages"].create_index(["conversation"])
     db["messages"].create_index(["parent"])
     db["threads"].create_index(["conversation"])
+
+
+@migrations()
+def m003_blob_packs(db: sqlite_utils.Database) -> None:
+    db["blobs"].add_column("members", str)
 
 
 def now() -> str:

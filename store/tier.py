@@ -2,8 +2,9 @@
 protocol (engine/cache/prefix_cache.py) with plain values, so store/ imports nothing of engine/:
 a piece is (per_segment, data, position), data a tensor, a tuple of tensors, or None.
 
-    save(...)            every piece's tensors encoded (codec.py), blobs and the segment row
-                         written in one transaction: visible only after commit, never half
+    save(...)            every piece's tensors packed by state kind and dtype (codec.py), blobs and
+                         the segment row written in one transaction: visible only after commit,
+                         never half
     load(key, deadline)  row -> layout fingerprint -> each blob: stored length, checksum over blob
                          and identity, decode (header, declared size, zstd checksum) -> pieces,
                          or (None, reason): the cache then recomputes that range
@@ -13,6 +14,7 @@ A disk hit is only a logical hit until `load` returns pieces.
 
 from __future__ import annotations
 
+import collections
 import json
 import sqlite3
 import struct
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from store.codec import BlobError, checksum, decode_many, encode
+from store.codec import BlobError, checksum, decode_many, encode_pack
 from store.db import now, open_db
 
 
@@ -32,6 +34,13 @@ class DiskMiss(Exception):
 def _identity(key: str, layer: int, kind: str, part: int, per_segment: int, position: int) -> bytes:
     """What a blob is, hashed together with its bytes: moved, relabelled or re-positioned, it fails."""
     return key.encode() + struct.pack("<iIBq", layer, part, per_segment, position) + kind.encode()
+
+
+def _pack_identity(key: str, kind: str, members: str) -> bytes:
+    return key.encode() + b"|pack|" + kind.encode() + b"|" + members.encode()
+
+
+PACK_CODEC = "hcwp1+zstd"
 
 
 class DiskTier:
@@ -66,41 +75,65 @@ class DiskTier:
         return True, ""
 
     def _save(self, key: str, parent: bytes, index: int, tokens: bytes, layout: bytes, pieces: dict) -> None:
-        rows = []
         counts = {}
+        members: dict[tuple[str, str], list[tuple[list, object]]] = collections.defaultdict(list)
         for (layer, kind), (per_segment, data, position) in sorted(pieces.items()):
             items = data if isinstance(data, tuple) else (data,)
             counts[f"{layer}:{kind}"] = len(items)
             for part, t in enumerate(items):
                 if t is None:
                     raise ValueError(f"piece {layer}:{kind} part {part} is None")
-                blob = encode(t)
-                ident = _identity(key, layer, kind, part, int(per_segment), position)
-                rows.append({"segment": key, "layer": layer, "kind": kind, "part": part,
-                             "per_segment": int(per_segment), "position": position, "is_none": 0,
-                             "codec": "hcwb1+zstd", "raw_len": t.numel() * t.element_size(), "length": len(blob),
-                             "checksum": checksum(blob, prefix=ident), "data": blob})
-        if not rows:
+                members[(kind, str(t.dtype))].append(([layer, part, int(per_segment), position], t))
+        if not members:
             raise ValueError("a segment with no pieces")
         conn = self.db.conn
         # one transaction, in plain SQL: sqlite-utils' own helpers commit on their way out, which
         # would let the row become visible before its blobs
         with conn:
-            old = conn.execute("SELECT presence, bytes FROM segments WHERE key = ?", [key]).fetchone()
+            old = conn.execute("SELECT presence FROM segments WHERE key = ?", [key]).fetchone()
             presence = json.loads(old[0]) if old else {}
-            for name in counts:
-                layer, kind = name.split(":", 1)
-                conn.execute("DELETE FROM blobs WHERE segment = ? AND layer = ? AND kind = ?", [key, int(layer), kind])
+            kinds = sorted({kind for kind, _ in members})
+            # a kind given replaces what is stored of it; its layers not given are kept (re-packed)
+            for kind, member, t in self._stored(key, kinds):
+                if f"{member[0]}:{kind}" not in counts:
+                    members[(kind, str(t.dtype))].append((member, t))
+            conn.executemany("DELETE FROM blobs WHERE segment = ? AND kind = ?", [[key, k] for k in kinds])
+            rows = []
+            for (kind, _), group in sorted(members.items()):
+                group.sort(key=lambda m: m[0][:2])
+                names = json.dumps([m for m, _ in group])
+                blob = encode_pack([t for _, t in group])
+                part = sum(r[2] == kind for r in rows)  # a kind's packs of different dtypes: 0, 1, ..
+                rows.append([key, -1, kind, part, -1, -1, 0, PACK_CODEC,
+                             sum(t.numel() * t.element_size() for _, t in group), len(blob),
+                             checksum(blob, prefix=_pack_identity(key, kind, names)), blob, names])
+            kept = {f"{m[0]}:{kind}" for (kind, _), group in members.items() for m, _ in group}
+            presence = {k: v for k, v in presence.items() if k.split(":", 1)[1] not in kinds or k in kept}
             presence.update(counts)
             stored = conn.execute("SELECT coalesce(sum(length), 0) FROM blobs WHERE segment = ?", [key]).fetchone()[0]
             segment = {"key": key, "parent": parent.hex(), "idx": index, "layout": layout.hex(), "tokens": tokens,
                        "token_digest": checksum(tokens).hex(), "presence": json.dumps(presence, sort_keys=True),
-                       "bytes": stored + sum(r["length"] for r in rows), "created": now()}
+                       "bytes": stored + sum(r[9] for r in rows), "created": now()}
             conn.execute(f"INSERT OR REPLACE INTO segments ({', '.join(segment)}) "
                          f"VALUES ({', '.join('?' * len(segment))})", list(segment.values()))
-            cols = list(rows[0])
-            conn.executemany(f"INSERT INTO blobs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                             [[r[c] for c in cols] for r in rows])
+            conn.executemany("INSERT INTO blobs (segment, layer, kind, part, per_segment, position, is_none, codec, "
+                             "raw_len, length, checksum, data, members) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             rows)
+
+    def _stored(self, key: str, kinds: list[str]) -> list[tuple[str, list, object]]:
+        """(kind, member, tensor) of what the segment holds of `kinds` and still verifies: the
+        layers a partial save keeps. What no longer verifies is dropped (it would be a miss)."""
+        if not self.db.conn.execute("SELECT 1 FROM segments WHERE key = ?", [key]).fetchone():
+            return []
+        try:
+            pieces = self._load(key, None, kinds)
+        except DiskMiss:
+            return []
+        out = []
+        for (layer, kind), (per_segment, data, position) in pieces.items():
+            for part, t in enumerate(data if isinstance(data, tuple) else (data,)):
+                out.append((kind, [layer, part, int(per_segment), position], t))
+        return out
 
     def segments(self) -> list[dict]:
         """Rows of this layout, parents before children."""
@@ -109,23 +142,36 @@ class DiskTier:
 
     def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
         """(pieces, "") or (None, reason); every failure is counted by its kind."""
-        try:
-            return self._load(key.hex(), deadline), ""
-        except DiskMiss as e:
-            reason = str(e)
-        except (sqlite3.Error, OSError) as e:
-            reason = f"io: {e}"
-        except Exception as e:  # noqa: BLE001 - whatever else a damaged file provokes is a counted miss, not a crash
-            reason = f"unexpected: {type(e).__name__}: {e}"
-        kind = reason.split(":", 1)[0]
-        self.failures[kind] = self.failures.get(kind, 0) + 1
-        return None, reason
+        return self._counted(self._guarded(lambda: self._load(key.hex(), deadline)))
 
-    def _load(self, key: str, deadline: float | None) -> dict:
-        if self.read_hook is not None:
+    def _counted(self, result: tuple[dict | None, str]) -> tuple[dict | None, str]:
+        if result[0] is None:
+            kind = result[1].split(":", 1)[0]
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+        return result
+
+    @staticmethod
+    def _guarded(step) -> tuple[object | None, str]:
+        """A read step's value, or (None, reason) for whatever it raised."""
+        try:
+            return step(), ""
+        except DiskMiss as e:
+            return None, str(e)
+        except (sqlite3.Error, OSError) as e:
+            return None, f"io: {e}"
+        except Exception as e:  # noqa: BLE001 - whatever else a damaged file provokes is a counted miss, not a crash
+            return None, f"unexpected: {type(e).__name__}: {e}"
+
+    def _load(self, key: str, deadline: float | None, kinds: list[str] | None = None) -> dict:
+        (presence, names, kinds), blobs = self._read(key, deadline, kinds, self.db.conn)
+        return self._assemble(presence, names, kinds, decode_many(blobs, self.decode_threads))
+
+    def _read(self, key: str, deadline: float | None, kinds: list[str] | None, conn: sqlite3.Connection):
+        """The segment row and its blobs, each verified (length, checksum over blob and identity)
+        before anything is decompressed: ((presence, names, kinds), blobs)."""
+        if self.read_hook is not None and kinds is None:
             self.read_hook(key)
-        row = self.db.execute("SELECT layout, tokens, token_digest, presence FROM segments WHERE key = ?",
-                              [key]).fetchone()
+        row = conn.execute("SELECT layout, tokens, token_digest, presence FROM segments WHERE key = ?", [key]).fetchone()
         if row is None:
             raise DiskMiss("missing: no segment row")
         layout, tokens, digest, presence = row
@@ -133,28 +179,49 @@ class DiskTier:
             raise DiskMiss("fingerprint: written under another model or layout")
         if checksum(tokens).hex() != digest:
             raise DiskMiss("checksum: token ids do not match their digest")
-        parts: dict[tuple[int, str], dict[int, object]] = {}
-        flags: dict[tuple[int, str], tuple[bool, int]] = {}
         names, blobs = [], []
-        for layer, kind, part, per_segment, position, length, csum, data in self.db.execute(
-                "SELECT layer, kind, part, per_segment, position, length, checksum, data FROM blobs "
+        for layer, kind, part, per_segment, position, length, csum, data, codec, members in conn.execute(
+                "SELECT layer, kind, part, per_segment, position, length, checksum, data, codec, members FROM blobs "
                 "WHERE segment = ?", [key]):
+            if kinds is not None and kind not in kinds:
+                continue
             if deadline is not None and time.monotonic() > deadline:
                 raise DiskMiss("timeout: the read deadline passed")
             if not isinstance(data, bytes) or len(data) != length:
                 got = len(data) if isinstance(data, bytes) else type(data).__name__
                 raise DiskMiss(f"length: blob {layer}:{kind}:{part} holds {got}, row says {length} bytes")
-            if checksum(data, prefix=_identity(key, layer, kind, part, per_segment, position)) != csum:
+            if codec == PACK_CODEC:
+                ident = _pack_identity(key, kind, members if isinstance(members, str) else "")
+                try:
+                    entries = [(kind, *m) for m in json.loads(members)]
+                except (TypeError, ValueError):
+                    raise DiskMiss(f"checksum: pack {kind}:{part} has unreadable members") from None
+            else:  # a row written before packs: one tensor
+                ident = _identity(key, layer, kind, part, per_segment, position)
+                entries = [(kind, layer, part, per_segment, position)]
+            if checksum(data, prefix=ident) != csum:
                 raise DiskMiss(f"checksum: blob {layer}:{kind}:{part}")
-            names.append((layer, kind, part))
+            names.append(entries)
             blobs.append(data)
-            flags[(layer, kind)] = (bool(per_segment), position)
-        # every blob verified: decompress them together (one call, not one per blob)
-        for (layer, kind, part), value in zip(names, decode_many(blobs, self.decode_threads)):
+        return (presence, names, kinds), blobs
+
+    @staticmethod
+    def _assemble(presence: str, names: list, kinds: list[str] | None, decoded: list) -> dict:
+        """Pieces from the decoded blobs, checked against the segment's recorded presence."""
+        parts: dict[tuple[int, str], dict[int, object]] = {}
+        flags: dict[tuple[int, str], tuple[bool, int]] = {}
+        for entries, value in zip(names, decoded):
             if isinstance(value, BlobError):
-                raise DiskMiss(f"decode: blob {layer}:{kind}:{part}: {value}")
-            parts.setdefault((layer, kind), {})[part] = value
+                raise DiskMiss(f"decode: blob {entries[0][0]}: {value}")
+            values = value if isinstance(value, list) else [value]
+            if len(values) != len(entries):
+                raise DiskMiss(f"decode: pack {entries[0][0]} holds {len(values)} tensors for {len(entries)} members")
+            for (kind, layer, part, per_segment, position), t in zip(entries, values):
+                parts.setdefault((layer, kind), {})[part] = t
+                flags[(layer, kind)] = (bool(per_segment), position)
         expected = json.loads(presence)
+        if kinds is not None:
+            expected = {k: v for k, v in expected.items() if k.split(":", 1)[1] in kinds}
         found = {f"{layer}:{kind}": len(by_part) for (layer, kind), by_part in parts.items()}
         if found != expected:
             raise DiskMiss("missing: the segment's blobs do not match its recorded pieces and parts")

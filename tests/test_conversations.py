@@ -6,6 +6,7 @@ import itertools
 import json
 import sqlite3
 import threading
+from types import SimpleNamespace
 
 import pytest
 import sqlite_utils
@@ -151,7 +152,9 @@ def test_migrations_upgrade_a_database_made_before_conversations(tmp_path):
     db = open_db(path)
     assert {"conversations", "messages", "threads"} <= set(db.table_names())
     assert [r["fingerprint"] for r in db["models"].rows] == ["ff"]
-    assert {r["name"] for r in db["_sqlite_migrations"].rows} == {"m001_cache_tables", "m002_conversations"}
+    assert {r["name"] for r in db["_sqlite_migrations"].rows} == {"m001_cache_tables", "m002_conversations",
+                                                                  "m003_blob_packs"}
+    assert "members" in db["blobs"].columns_dict
     _, main = Conversations(db).create(system="hi")
     assert Conversations(db).path(main.id)[0].content == "hi"
 
@@ -198,7 +201,8 @@ def test_bad_values_raise_value_error_and_write_nothing(convs):
 
 def test_prefixes_resolve_like_git(convs, monkeypatch):
     fixed = iter(["aaa111000000", "0000000000a1", "aaa222000000", "0000000000a2"])
-    monkeypatch.setattr(conversations_module.secrets, "token_hex", lambda n: next(fixed))
+    # ids only: sqlite-utils draws its savepoint names from the same function
+    monkeypatch.setattr(conversations_module, "secrets", SimpleNamespace(token_hex=lambda n: next(fixed)))
     first, _ = convs.create("one")
     second, _ = convs.create("two")
     assert convs.resolve("conversation", "aaa1") == first.id

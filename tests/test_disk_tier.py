@@ -18,7 +18,7 @@ from engine import load_model
 from engine.cache.prefix_cache import CacheConfig, PrefixCache
 from engine.engine import Engine
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
-from store.codec import BlobError, decode, encode
+from store.codec import BlobError, checksum, decode, decode_pack, encode, encode_pack
 from store.tier import DiskTier
 
 B = 16
@@ -50,6 +50,36 @@ def test_codec_refuses_what_it_cannot_trust():
     flipped[-3] ^= 0x10
     with pytest.raises(BlobError):
         decode(bytes(flipped))
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+       shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3), min_size=1, max_size=6),
+       shuffle=st.booleans())
+def test_pack_round_trips_every_tensor_bit_exactly(dtype, shapes, shuffle):
+    tensors = [(torch.randn(shape) * 100).to(dtype) for shape in shapes]
+    back = decode_pack(encode_pack(tensors, shuffle=shuffle))
+    assert [b.shape for b in back] == [t.shape for t in tensors]
+    assert all(torch.equal(b.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+               for b, t in zip(back, tensors))
+
+
+def test_pack_refuses_what_it_cannot_trust():
+    blob = encode_pack([torch.randn(4, 8), torch.randn(3)])
+    with pytest.raises(BlobError, match="magic"):
+        decode_pack(b"XXXX" + blob[4:])
+    with pytest.raises(BlobError, match="shorter"):
+        decode_pack(blob[:12])
+    huge = bytearray(blob)
+    huge[12:20] = (1 << 40).to_bytes(8, "little")  # the first tensor's first dimension (after 11 + 1 bytes)
+    with pytest.raises(BlobError, match="declares"):
+        decode_pack(bytes(huge))
+    with pytest.raises(BlobError, match="pack of"):
+        decode_pack(blob[:7] + (0).to_bytes(4, "little") + blob[11:])  # a count of 0
+    with pytest.raises(BlobError, match="one encodable dtype"):
+        encode_pack([torch.randn(2), torch.randn(2).bfloat16()])
+    with pytest.raises(BlobError, match="one tensor was expected"):
+        decode(blob)
 
 
 @pytest.fixture(scope="module")
@@ -347,14 +377,59 @@ TestDiskMachine = DiskMachine.TestCase
 
 
 def test_a_blob_relabelled_to_another_position_or_role_fails_its_checksum(model_dir, tmp_path):
+    import json
+
     model, db, prompt = _saved_session(model_dir, tmp_path / "meta.db")
     con = sqlite3.connect(db)
-    (victim,) = con.execute("SELECT id FROM blobs WHERE per_segment = 0 LIMIT 1").fetchone()
-    con.execute("UPDATE blobs SET position = position - 16 WHERE id = ?", [victim])
-    con.commit()
-    run, cache, diff = _resume(model, db, prompt + [1])
-    assert diff <= 1e-4 and cache.lower.failures.get("checksum", 0) >= 1
-    con.execute("UPDATE blobs SET position = position + 16, per_segment = 1 WHERE id = ?", [victim])
-    con.commit()
-    run, cache, diff = _resume(model, db, prompt + [1])
-    assert diff <= 1e-4 and cache.lower.failures.get("checksum", 0) >= 1
+    # a member kept whole (not per segment): its position says where its window ends
+    victim, members, i = next((row_id, json.loads(ms), i) for row_id, ms in con.execute("SELECT id, members FROM blobs")
+                              for i, m in enumerate(json.loads(ms)) if m[2] == 0)
+    for relabel in ({3: members[i][3] - 16}, {2: 1, 3: members[i][3] + 16}):
+        changed = [list(m) for m in members]
+        for field, value in relabel.items():
+            changed[i][field] = value
+        con.execute("UPDATE blobs SET members = ? WHERE id = ?", [json.dumps(changed), victim])
+        con.commit()
+        run, cache, diff = _resume(model, db, prompt + [1])
+        assert diff <= 1e-4 and cache.lower.failures.get("checksum", 0) >= 1
+
+
+def test_a_partial_save_keeps_the_other_layers_of_a_kind(tmp_path):
+    """Packs hold a kind's every layer: a save that gives some layers of a kind re-packs the rest."""
+    tier = DiskTier(tmp_path / "partial.db", b"\x01" * 16)
+    key = b"\x07" * 16
+    first = {(layer, "kv"): (True, (torch.randn(2, 4), torch.randn(2, 4)), 0) for layer in range(3)}
+    first[(0, "window")] = (False, torch.randn(5, 3).bfloat16(), 16)
+    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, first) == (True, "")
+    newer = (True, (torch.randn(2, 4), torch.randn(2, 4)), 0)
+    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, {(1, "kv"): newer}) == (True, "")
+    pieces, why = tier.load(key)
+    assert why == "" and sorted(pieces) == [(0, "kv"), (0, "window"), (1, "kv"), (2, "kv")]
+    for layer, want in ((0, first[(0, "kv")]), (1, newer), (2, first[(2, "kv")])):
+        assert all(torch.equal(a, b) for a, b in zip(pieces[(layer, "kv")][1], want[1]))
+    assert pieces[(0, "window")][1].dtype == torch.bfloat16 and pieces[(0, "window")][2] == 16
+    assert torch.equal(pieces[(0, "window")][1], first[(0, "window")][1])
+    # two kinds, one pack each
+    assert tier.db.execute("SELECT count(*) FROM blobs").fetchone()[0] == 2
+
+
+def test_rows_written_before_packs_are_still_read(tmp_path):
+    """A database from before packs (one tensor per row) resumes as it did."""
+    from store.codec import encode
+    from store.tier import _identity
+
+    tier = DiskTier(tmp_path / "old.db", b"\x01" * 16)
+    key = b"\x05" * 16
+    kv = (torch.randn(2, 4), torch.randn(2, 4))
+    tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, {(0, "kv"): (True, kv, 0)})
+    con = tier.db.conn
+    with con:
+        con.execute("DELETE FROM blobs")
+        for part, t in enumerate(kv):
+            blob = encode(t)
+            con.execute("INSERT INTO blobs (segment, layer, kind, part, per_segment, position, is_none, codec, raw_len, "
+                        "length, checksum, data) VALUES (?, 0, 'kv', ?, 1, 0, 0, 'hcwb1+zstd', ?, ?, ?, ?)",
+                        [key.hex(), part, t.numel() * 4, len(blob),
+                         checksum(blob, prefix=_identity(key.hex(), 0, "kv", part, 1, 0)), blob])
+    pieces, why = tier.load(key)
+    assert why == "" and all(torch.equal(a, b) for a, b in zip(pieces[(0, "kv")][1], kv))

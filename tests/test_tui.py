@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -166,7 +167,8 @@ def test_the_workbench_layout_snapshot(model_dir, tmp_path, monkeypatch, snap_co
     import psutil
 
     counter = itertools.count()
-    monkeypatch.setattr("store.conversations.secrets.token_hex", lambda n: f"{next(counter):0{2 * n}x}")
+    # ids only: sqlite-utils draws its savepoint names from the same function
+    monkeypatch.setattr("store.conversations.secrets", SimpleNamespace(token_hex=lambda n: f"{next(counter):0{2 * n}x}"))
 
     class Memory:
         rss = 512 << 20
@@ -186,7 +188,8 @@ def _pin_screen(monkeypatch):
     from workbench.tui import app as app_module
 
     counter = itertools.count()
-    monkeypatch.setattr("store.conversations.secrets.token_hex", lambda n: f"{next(counter):0{2 * n}x}")
+    # ids only: sqlite-utils draws its savepoint names from the same function
+    monkeypatch.setattr("store.conversations.secrets", SimpleNamespace(token_hex=lambda n: f"{next(counter):0{2 * n}x}"))
 
     class Memory:
         rss = 512 << 20
