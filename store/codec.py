@@ -99,15 +99,7 @@ class _Header(NamedTuple):
 
 def _parse(blob: bytes) -> _Header:
     """Every check that needs no decompression: header, dtype, shape, the frame's declared size."""
-    if len(blob) < _HEAD.size:
-        raise BlobError("blob shorter than its header")
-    magic, version, code, ndim, shuffled = _HEAD.unpack_from(blob)
-    if magic != MAGIC:
-        raise BlobError("bad magic")
-    if version != VERSION:
-        raise BlobError(f"format version {version}, expected {VERSION}")
-    if code >= len(_DTYPES):
-        raise BlobError(f"unknown dtype code {code}")
+    magic, version, code, ndim, shuffled = _head(blob, _HEAD, MAGIC)
     if ndim > 8:
         raise BlobError(f"{ndim} dimensions")
     end = _HEAD.size + 8 * ndim
@@ -120,16 +112,22 @@ def _parse(blob: bytes) -> _Header:
     return _checked_frame(blob, end, dtype, shape, itemsize, bool(shuffled), expected)
 
 
-def _parse_pack(blob: bytes) -> _Header:
-    if len(blob) < _PACK_HEAD.size:
+def _head(blob: bytes, layout: struct.Struct, magic: bytes) -> tuple:
+    """The fixed header, its magic, format version and dtype code checked."""
+    if len(blob) < layout.size:
         raise BlobError("blob shorter than its header")
-    magic, version, code, shuffled, count = _PACK_HEAD.unpack_from(blob)
-    if magic != PACK_MAGIC:
+    fields = layout.unpack_from(blob)
+    if fields[0] != magic:
         raise BlobError("bad magic")
-    if version != VERSION:
-        raise BlobError(f"format version {version}, expected {VERSION}")
-    if code >= len(_DTYPES):
-        raise BlobError(f"unknown dtype code {code}")
+    if fields[1] != VERSION:
+        raise BlobError(f"format version {fields[1]}, expected {VERSION}")
+    if fields[2] >= len(_DTYPES):
+        raise BlobError(f"unknown dtype code {fields[2]}")
+    return fields
+
+
+def _parse_pack(blob: bytes) -> _Header:
+    magic, version, code, shuffled, count = _head(blob, _PACK_HEAD, PACK_MAGIC)
     if not 0 < count <= MAX_PACK:
         raise BlobError(f"a pack of {count} tensors")
     shapes, at = [], _PACK_HEAD.size
