@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.cache.states import KVState
 from engine.config import ModelConfig
+from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
 from engine.model.norm import RMSNorm
 from engine.model.rope import Rotary
@@ -25,7 +26,7 @@ class GatedAttention(nn.Module):
         # the q_proj part yields, per head, the query followed by its output gate
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": self.n_heads * hd * 2, "k_proj": self.n_kv * hd,
                                                       "v_proj": self.n_kv * hd}, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
+        self.o_proj = Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, unit_offset=True)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)

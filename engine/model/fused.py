@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.direct import Direct
 
-class FusedLinear(nn.Linear):
+
+class FusedLinear(Direct, nn.Linear):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = dict(parts)  # checkpoint sibling name -> output rows, in concatenation order

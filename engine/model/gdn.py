@@ -16,6 +16,7 @@ from torch import nn
 from engine.cache.states import GDNState
 from engine.config import ModelConfig
 from engine.model.derived import derived
+from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
 from engine.model.norm import GatedRMSNorm
 from kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
@@ -41,7 +42,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.n_v))
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(value_dim, h, bias=False)
+        self.out_proj = Linear(value_dim, h, bias=False)
 
     def new_state(self, batch: int, dtype, device) -> GDNState:
         return GDNState.zeros(batch, self.conv_dim, self.kernel, self.n_v, self.dk, self.dv, dtype, device)

@@ -19,6 +19,7 @@ from torch import nn
 from engine.cache.states import ModelState
 from engine.config import V4_KINDS, ModelConfig
 from engine.model.attention import GatedAttention
+from engine.model.direct import Linear
 from engine.model.gdn import GatedDeltaNet
 from engine.model.hyper import HyperConnection, HyperHead
 from engine.model.mlp import MLP, SparseMoE, V4MoE
@@ -98,7 +99,7 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.hc_head = HyperHead(cfg) if cfg.hc_mult > 1 else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

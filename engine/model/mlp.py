@@ -7,14 +7,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.model.direct import Direct, Linear
 from engine.model.fused import FusedLinear
 
 
-class MLP(nn.Module):
+class MLP(Direct, nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)

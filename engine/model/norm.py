@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.derived import derived
+from engine.model.direct import Direct
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Direct, nn.Module):
     """y = x / rms(x) * scale, computed in float32.
 
     unit_offset=True is the zero-centred variant (scale = 1 + weight, weight stored around 0) that
@@ -30,7 +31,7 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * scale).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(Direct, nn.Module):
     """y = (x / rms(x)) * weight * silu(gate): the norm-then-gate on Gated DeltaNet outputs."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
