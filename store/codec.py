@@ -60,14 +60,26 @@ def _shuffle(raw: np.ndarray, itemsize: int) -> bytes:
 def encode(t: torch.Tensor, level: int = LEVEL, shuffle: bool = True) -> bytes:
     if t.dtype not in _CODE:
         raise BlobError(f"dtype {t.dtype} has no blob encoding")
-    t = t.detach().contiguous().cpu()
     itemsize = t.element_size()
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, dtype=np.uint8)
+    raw = _bytes_of(t)
     shuffled = shuffle and itemsize > 1
     payload = _shuffle(raw, itemsize) if shuffled else raw.tobytes()
     head = _HEAD.pack(MAGIC, VERSION, _CODE[t.dtype], t.dim(), int(shuffled)) + struct.pack(f"<{t.dim()}Q", *t.shape)
     frame = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(payload)
     return head + frame
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes in element order as a uint8 array: a view when it is contiguous on the
+    CPU, else one numpy copy (single-threaded; see encode_pack)."""
+    t = t.detach().cpu()
+    if not t.numel():
+        return np.zeros(0, dtype=np.uint8)
+    bits = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()  # same-size ints: numpy has no bfloat16
+    return np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
 
 
 def encode_pack(tensors: list[torch.Tensor], level: int = LEVEL, shuffle: bool = True) -> bytes:
@@ -77,8 +89,11 @@ def encode_pack(tensors: list[torch.Tensor], level: int = LEVEL, shuffle: bool =
     dtype = tensors[0].dtype
     if dtype not in _CODE or any(t.dtype != dtype for t in tensors):
         raise BlobError(f"a pack holds tensors of one encodable dtype, got {sorted({str(t.dtype) for t in tensors})}")
-    flat = [t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for t in tensors]
-    raw = torch.cat(flat).numpy() if sum(f.numel() for f in flat) else np.zeros(0, dtype=np.uint8)
+    # numpy, not torch, for the copies: saves run on the write-behind thread, where a torch op
+    # big enough to go parallel would start a second OpenMP team beside the generating thread's
+    # (engine/threads.py: on 2 cores that halves generation speed)
+    flat = [_bytes_of(t) for t in tensors]
+    raw = np.concatenate(flat) if flat else np.zeros(0, dtype=np.uint8)
     itemsize = tensors[0].element_size()
     shuffled = shuffle and itemsize > 1
     payload = _shuffle(raw, itemsize) if shuffled else raw.tobytes()
