@@ -1,0 +1,41 @@
+"""Handing torch compute to another thread without halving its speed.
+
+torch's CPU build runs intra-op parallelism on OpenMP (libgomp), and libgomp keeps an idle thread
+team for every thread that has run a parallel region. When the main thread has loaded a model (its
+team stays) and a worker thread then computes (a second team), the process holds more OpenMP
+threads than cores, and libgomp cuts its spin-waiting a thousandfold: every op's hand-off goes
+through the kernel. Measured on 2 cores with hcw-tiny: ~100 tokens/s in the workbench's worker
+thread against ~210 on the main thread; releasing the main thread's idle team before the worker
+starts brings the worker to ~215 (benchmarks/tui_responsiveness.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+OMP_PAUSE_SOFT = 1
+
+
+@functools.cache
+def _libgomp() -> ctypes.CDLL | None:
+    """torch's own libgomp (the one its ops run on), or None on builds without it."""
+    for path in sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*")):
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            continue
+        if hasattr(lib, "omp_pause_resource_all"):
+            return lib
+    return None
+
+
+def release_idle_team() -> bool:
+    """Free the calling thread's idle OpenMP team (OpenMP 5 `omp_pause_resource_all`, soft: libgomp
+    frees the caller's pool; a later parallel op here builds a new one). Call it on the thread that
+    hands its torch work to another, when it is not inside a torch op. True if released."""
+    lib = _libgomp()
+    return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
