@@ -41,6 +41,8 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
     from kernels.gated_delta.triton_recurrent import recurrent_gated_delta
     from kernels.indexer import reference as idx_ref
     from kernels.indexer.triton_score import score
+    from kernels.paged_attention import reference as paged_ref
+    from kernels.paged_attention.triton_decode import paged_decode
 
     bf16 = torch.bfloat16
     s = 1 if quick else 0  # quick: tiny shapes (the interpreter), no meaningful timings
@@ -57,12 +59,22 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
     keys = torch.randn(1, ne, di, device=device, dtype=bf16)
     wi = torch.randn(1, t, h, device=device)
     pos = torch.arange(4 * ne - t, 4 * ne, device=device)
+    # paged decode: 8 sequences of 8K (16 when quick) positions in 64-position blocks, pool shuffled
+    nb, hq, hkv, bs, dh, ctx = (2, 4, 2, 4, 16, 9) if s else (8, 32, 8, 64, 128, 8192)
+    per = -(-ctx // bs)
+    k_pool = torch.randn(nb * per, hkv, bs, dh, device=device, dtype=bf16)
+    v_pool = torch.randn(nb * per, hkv, bs, dh, device=device, dtype=bf16)
+    table = torch.randperm(nb * per, device=device).view(nb, per).int()
+    lens = torch.full((nb,), ctx, dtype=torch.int32, device=device)
+    qd = torch.randn(nb, hq, dh, device=device, dtype=bf16)
     cases = [
         ("GDN recurrent step (Hv 32, 128x128)", lambda: recurrent_gated_delta(q, k, v, g, beta, state),
          lambda: gdn_ref.recurrent_gated_delta(q, k, v, g, beta, state)),
         ("compressor pooling (8,192 entries x 8 x 512)", lambda: pool(kv, gate), lambda: pool_ref.pool(kv, gate)),
         ("indexer scores (512 queries x 64 heads x 8,192 entries)", lambda: score(qi, keys, wi, pos, 4),
          lambda: idx_ref.score(qi, keys, wi, pos, 4)),
+        ("paged decode attention (8 x 8K positions, 32 q / 8 kv heads x 128, 64-position blocks)",
+         lambda: paged_decode(qd, k_pool, v_pool, table, lens), lambda: paged_ref.paged_decode(qd, k_pool, v_pool, table, lens)),
     ]
     rows = ["| kernel | Triton µs | reference µs | speed-up |", "|---|---:|---:|---:|"]
     for name, kernel, ref in cases:

@@ -129,3 +129,70 @@ def test_a_v4_model_gives_the_same_logits_with_the_kernels_forced(monkeypatch):
         monkeypatch.setenv("HCW_KERNELS", "triton")
         forced = model(ids)
     assert (forced - expected).abs().max().item() <= 1e-4
+
+
+def _paged(b, h, hkv, bs, d, lengths, dtype=torch.float32, seed=4):
+    """A pool holding each sequence's keys and values in blocks scattered in shuffled order, its
+    block tables, and the same keys and values laid out densely ([B][Hkv, n, D]) for the oracle."""
+    g_ = torch.Generator().manual_seed(seed)
+    counts = [-(-n // bs) for n in lengths]
+    pool_blocks = sum(counts) + 3  # some blocks belong to nobody
+    k_pool = torch.randn(pool_blocks, hkv, bs, d, generator=g_)
+    v_pool = torch.randn(pool_blocks, hkv, bs, d, generator=g_)
+    order = torch.randperm(pool_blocks, generator=g_)
+    table = torch.full((b, max(counts)), 10_000, dtype=torch.int32)  # unused entries point nowhere
+    dense, at = [], 0
+    for i, c in enumerate(counts):
+        table[i, :c] = order[at:at + c].int()
+        at += c
+        blocks = table[i, :c].long()
+        dense.append((k_pool[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :lengths[i]],
+                      v_pool[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :lengths[i]]))
+    q = torch.randn(b, h, d, generator=g_)
+    to = dict(device=DEVICE)
+    return (q.to(dtype=dtype, **to), k_pool.to(dtype=dtype, **to), v_pool.to(dtype=dtype, **to), table.to(**to),
+            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), dense)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5])
+def test_paged_attention_reference_equals_dense_attention(window):
+    """The oracle itself: gathering a sequence's blocks through its table is plain attention over
+    its positions (scaled_dot_product_attention, GQA, the sliding window as a mask)."""
+    from kernels.paged_attention import reference as ref
+
+    q, k_pool, v_pool, table, lengths, dense = _paged(3, 6, 2, 4, 16, [1, 9, 16])
+    out = ref.paged_decode(q, k_pool, v_pool, table, lengths, window)
+    for i, (k, v) in enumerate(dense):
+        n = k.shape[1]
+        allowed = torch.arange(n, device=k.device) >= (0 if window is None else n - window)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[i][:, None], k, v, attn_mask=allowed[None, None], enable_gqa=True)[:, 0]
+        assert _rel(out[i], expected) < 1e-5
+
+
+@pytest.mark.parametrize("b, h, hkv, bs, d, lengths", [(1, 1, 1, 4, 8, [1]), (3, 6, 2, 4, 12, [5, 1, 17]),
+                                                       (2, 4, 4, 8, 20, [8, 23]), (2, 8, 1, 2, 33, [3, 9])])
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_decode_kernel_matches_the_reference(b, h, hkv, bs, d, lengths, window):
+    from kernels.paged_attention import reference as ref
+    from kernels.paged_attention.triton_decode import paged_decode
+
+    q, k_pool, v_pool, table, n, _ = _paged(b, h, hkv, bs, d, lengths)
+    out, expected = paged_decode(q, k_pool, v_pool, table, n, window), ref.paged_decode(q, k_pool, v_pool, table, n, window)
+    assert not torch.isnan(out).any() and _rel(out, expected) < 1e-5
+
+
+def test_paged_decode_kernel_in_bf16_and_its_refusals():
+    from kernels.paged_attention import reference as ref
+    from kernels.paged_attention.triton_decode import paged_decode
+
+    q, k_pool, v_pool, table, n, _ = _paged(2, 4, 2, 4, 16, [7, 12], dtype=torch.bfloat16)
+    assert _rel(paged_decode(q, k_pool, v_pool, table, n), ref.paged_decode(q, k_pool, v_pool, table, n)) < 2e-2
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode(q, k_pool.float(), v_pool, table, n)
+    with pytest.raises(ValueError, match="lengths: dtype"):
+        paged_decode(q, k_pool, v_pool, table, n.long())
+    with pytest.raises(ValueError, match="not contiguous"):
+        paged_decode(q, k_pool.transpose(1, 2).contiguous().transpose(1, 2), v_pool, table, n)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode(q[:, :3].contiguous(), k_pool, v_pool, table, n)
