@@ -38,6 +38,7 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
     from kernels.compressor import reference as pool_ref
     from kernels.compressor.triton_pool import pool
     from kernels.gated_delta import reference as gdn_ref
+    from kernels.gated_delta.triton_chunk import chunk_gated_delta
     from kernels.gated_delta.triton_recurrent import recurrent_gated_delta
     from kernels.indexer import reference as idx_ref
     from kernels.indexer.triton_score import score
@@ -67,9 +68,16 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
     table = torch.randperm(nb * per, device=device).view(nb, per).int()
     lens = torch.full((nb,), ctx, dtype=torch.int32, device=device)
     qd = torch.randn(nb, hq, dh, device=device, dtype=bf16)
+    tc = 24 if s else 4096  # chunked GDN prefill: one sequence of tc tokens at the recurrent step's head shapes
+    qc = torch.nn.functional.normalize(torch.randn(1, tc, hk, d, device=device), dim=-1).to(bf16)
+    kc = torch.nn.functional.normalize(torch.randn(1, tc, hk, d, device=device), dim=-1).to(bf16)
+    vc = torch.randn(1, tc, hv, d, device=device, dtype=bf16)
+    gc, bc = -torch.rand(1, tc, hv, device=device) * 0.1, torch.rand(1, tc, hv, device=device, dtype=bf16)
     cases = [
         ("GDN recurrent step (Hv 32, 128x128)", lambda: recurrent_gated_delta(q, k, v, g, beta, state),
          lambda: gdn_ref.recurrent_gated_delta(q, k, v, g, beta, state)),
+        ("GDN chunked prefill (4,096 tokens, Hv 32, 128x128)", lambda: chunk_gated_delta(qc, kc, vc, gc, bc, state),
+         lambda: gdn_ref.chunk_gated_delta(qc, kc, vc, gc, bc, state)),
         ("compressor pooling (8,192 entries x 8 x 512)", lambda: pool(kv, gate), lambda: pool_ref.pool(kv, gate)),
         ("indexer scores (512 queries x 64 heads x 8,192 entries)", lambda: score(qi, keys, wi, pos, 4),
          lambda: idx_ref.score(qi, keys, wi, pos, 4)),

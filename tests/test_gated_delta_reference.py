@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from kernels.gated_delta.reference import chunk_gated_delta, recurrent_gated_delta
 
 
 def _inputs(t, hk=2, hv=4, dk=8, dv=12, b=2, seed=42):

@@ -196,3 +196,56 @@ def test_paged_decode_kernel_in_bf16_and_its_refusals():
         paged_decode(q, k_pool.transpose(1, 2).contiguous().transpose(1, 2), v_pool, table, n)
     with pytest.raises(ValueError, match="multiple"):
         paged_decode(q[:, :3].contiguous(), k_pool, v_pool, table, n)
+
+
+@pytest.mark.parametrize("b, t, hk, hv, dk, dv", [(1, 1, 1, 1, 8, 8), (2, 37, 2, 4, 12, 20), (1, 70, 1, 2, 16, 33),
+                                                  (1, 16, 2, 2, 32, 16)])
+@pytest.mark.parametrize("state", [True, False])
+def test_chunked_gdn_kernel_matches_the_reference(b, t, hk, hv, dk, dv, state):
+    from kernels.gated_delta.triton_chunk import chunk_gated_delta
+
+    args = _inputs(b, t, hk, hv, dk, dv, torch.float32, seed=5, state=state)
+    for chunk in (16, 32):
+        o, s = chunk_gated_delta(*args, chunk_size=chunk)
+        o_ref, s_ref = reference.chunk_gated_delta(*args)
+        assert not torch.isnan(o).any() and not torch.isnan(s).any()  # every element written
+        assert _rel(o, o_ref) < 1e-5 and _rel(s, s_ref) < 1e-5
+        assert o.dtype == o_ref.dtype and s.dtype == torch.float32
+
+
+def test_chunked_gdn_kernel_in_bf16_and_its_refusals():
+    from kernels.gated_delta.triton_chunk import chunk_gated_delta
+
+    args = _inputs(2, 21, 1, 2, 16, 16, torch.bfloat16, seed=6)
+    o, s = chunk_gated_delta(*args)
+    o_ref, s_ref = reference.chunk_gated_delta(*args)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert _rel(o, o_ref) < 2e-2 and _rel(s, s_ref) < 2e-2
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_gated_delta(*args, chunk_size=8)
+    q, k, v, g, beta, s0 = _inputs(1, 4, 2, 3, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        chunk_gated_delta(q, k, v, g, beta, s0)
+
+
+def test_a_qwen_model_gives_the_same_logits_with_the_gdn_kernels_forced(monkeypatch):
+    """The GDN layers' chunked prefill and recurrent decode go through the dispatch: forcing
+    Triton (the interpreter, on CPU) changes nothing but rounding, with and without state."""
+    from engine.config import ModelConfig
+    from engine.model.hybrid import HybridModel
+    from engine.model.random_init import init_random, qwen3_5_text_dict
+
+    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4))), 0).eval()
+    ids = torch.randint(0, 263, (1, 40), generator=torch.Generator().manual_seed(7))
+
+    def run():
+        state = model.new_state()
+        steps = [model(ids[:, :37], state, last_only=True)] + [model(ids[:, i:i + 1], state) for i in range(37, 40)]
+        return model(ids), torch.cat(steps, dim=1)
+
+    with torch.no_grad():
+        expected = run()
+        monkeypatch.setenv("HCW_KERNELS", "triton")
+        forced = run()
+    for a, b in zip(forced, expected):
+        assert (a - b).abs().max().item() <= 1e-4

@@ -49,10 +49,8 @@ def _recurrent_kernel(q, k, v, g, beta, s0, out, s_out, T,
     tl.store(s_out + s_offs, s, mask=mkv)
 
 
-def recurrent_gated_delta(q, k, v, g, beta, initial_state=None, block_v: int = 32):
-    """Same contract as reference.recurrent_gated_delta: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
-    g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] float32 or None -> (o [B, T, Hv, Dv] in
-    v's dtype, final state float32). Every input must be contiguous and 16-byte aligned."""
+def check_inputs(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, int, int]:
+    """Both GDN launchers' boundary checks; returns (B, T, Hk, Hv, Dk, Dv)."""
     b, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     if hv % hk:
@@ -65,6 +63,15 @@ def recurrent_gated_delta(q, k, v, g, beta, initial_state=None, block_v: int = 3
     check("beta", beta, (b, t, hv), FLOATS, dev)
     if initial_state is not None:
         check("initial_state", initial_state, (b, hv, dk, dv), (torch.float32,), dev)
+    return b, t, hk, hv, dk, dv
+
+
+def recurrent_gated_delta(q, k, v, g, beta, initial_state=None, block_v: int = 32):
+    """Same contract as reference.recurrent_gated_delta: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
+    g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] float32 or None -> (o [B, T, Hv, Dv] in
+    v's dtype, final state float32). Every input must be contiguous and 16-byte aligned."""
+    b, t, hk, hv, dk, dv = check_inputs(q, k, v, g, beta, initial_state)
+    dev = v.device
     out = empty(b, t, hv, dv, dtype=v.dtype, device=dev)
     final = empty(b, hv, dk, dv, dtype=torch.float32, device=dev)
     bv = min(block_v, triton.next_power_of_2(dv))
