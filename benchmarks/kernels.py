@@ -44,6 +44,8 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
     from kernels.indexer.triton_score import score
     from kernels.paged_attention import reference as paged_ref
     from kernels.paged_attention.triton_decode import paged_decode
+    from kernels.segments import reference as seg_ref
+    from kernels.segments.triton_copy import gather
 
     bf16 = torch.bfloat16
     s = 1 if quick else 0  # quick: tiny shapes (the interpreter), no meaningful timings
@@ -81,6 +83,8 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
         ("compressor pooling (8,192 entries x 8 x 512)", lambda: pool(kv, gate), lambda: pool_ref.pool(kv, gate)),
         ("indexer scores (512 queries x 64 heads x 8,192 entries)", lambda: score(qi, keys, wi, pos, 4),
          lambda: idx_ref.score(qi, keys, wi, pos, 4)),
+        ("segment gather (one 8K sequence's blocks out of the pool)", lambda: gather(k_pool, table[0].contiguous()),
+         lambda: seg_ref.gather(k_pool, table[0])),
         ("paged decode attention (8 x 8K positions, 32 q / 8 kv heads x 128, 64-position blocks)",
          lambda: paged_decode(qd, k_pool, v_pool, table, lens), lambda: paged_ref.paged_decode(qd, k_pool, v_pool, table, lens)),
     ]

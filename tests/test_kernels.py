@@ -249,3 +249,37 @@ def test_a_qwen_model_gives_the_same_logits_with_the_gdn_kernels_forced(monkeypa
         forced = run()
     for a, b in zip(forced, expected):
         assert (a - b).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("block", [(2, 4, 8), (3, 5), (1,), (2, 700)])  # 1,400 elements: two spans per block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_segment_gather_and_scatter_kernels_match_the_reference(block, dtype):
+    from kernels.segments import reference as ref
+    from kernels.segments.triton_copy import gather, scatter
+
+    g_ = torch.Generator().manual_seed(8)
+    pool = (torch.randn(9, *block, generator=g_) * 100).to(DEVICE, dtype)
+    ids = torch.tensor([7, 0, 3, 3, 8], dtype=torch.int32, device=DEVICE)  # a gather may repeat a block
+    out = gather(pool, ids)
+    assert torch.equal(out, ref.gather(pool, ids))
+    if dtype.is_floating_point:
+        assert not torch.isnan(out).any()
+    slots = torch.tensor([5, 1, 8], dtype=torch.int32, device=DEVICE)
+    rows = (torch.randn(3, *block, generator=g_) * 100).to(DEVICE, dtype)
+    got = scatter(pool.clone(), slots, rows)
+    assert torch.equal(got, ref.scatter(pool.clone(), slots, rows))
+    assert torch.equal(got[slots.long()], rows) and torch.equal(got[2], pool[2])  # the rest untouched
+
+
+def test_segment_kernels_refuse_bad_ids():
+    from kernels.segments.triton_copy import gather, scatter
+
+    pool = torch.zeros(4, 3, device=DEVICE)
+    with pytest.raises(ValueError, match=r"lie in \[0, 4\)"):
+        gather(pool, torch.tensor([0, 4], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype"):
+        gather(pool, torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(ValueError, match="named twice"):
+        scatter(pool, torch.tensor([1, 1], dtype=torch.int32, device=DEVICE), torch.ones(2, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="blocks: shape"):
+        scatter(pool, torch.tensor([1], dtype=torch.int32, device=DEVICE), torch.ones(2, 3, device=DEVICE))
