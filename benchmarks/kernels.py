@@ -35,6 +35,8 @@ def _time(fn, reps: int) -> float:
 
 
 def kernel_rows(device: str, quick: bool) -> list[str]:
+    from kernels.compressed_attention import reference as attend_ref
+    from kernels.compressed_attention.triton_attend import attend
     from kernels.compressor import reference as pool_ref
     from kernels.compressor.triton_pool import pool
     from kernels.gated_delta import reference as gdn_ref
@@ -75,6 +77,15 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
     kc = torch.nn.functional.normalize(torch.randn(1, tc, hk, d, device=device), dim=-1).to(bf16)
     vc = torch.randn(1, tc, hv, d, device=device, dtype=bf16)
     gc, bc = -torch.rand(1, tc, hv, device=device) * 0.1, torch.rand(1, tc, hv, device=device, dtype=bf16)
+    # V4 CSA attention: queries over a 128-key window and the indexer's top-k of the compressed entries
+    ta, ha, da, na, ka = (3, 2, 16, 6, 2) if s else (512, 64, 512, 2048, 512)
+    qa = torch.randn(1, ta, ha, da, device=device, dtype=bf16)
+    keys_a = torch.randn(1, ta + 127, da, device=device, dtype=bf16)
+    ents = torch.randn(1, na, da, device=device, dtype=bf16)
+    start_a = 4 * na - ta
+    sel = torch.stack([torch.randperm(na, device=device)[:ka] for _ in range(ta)])[None]
+    sink_a = torch.zeros(ha, device=device)
+    attend_args = (qa, start_a, keys_a, start_a - 127, 128, ents, 4, sel, sink_a, da ** -0.5)
     cases = [
         ("GDN recurrent step (Hv 32, 128x128)", lambda: recurrent_gated_delta(q, k, v, g, beta, state),
          lambda: gdn_ref.recurrent_gated_delta(q, k, v, g, beta, state)),
@@ -83,6 +94,8 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
         ("compressor pooling (8,192 entries x 8 x 512)", lambda: pool(kv, gate), lambda: pool_ref.pool(kv, gate)),
         ("indexer scores (512 queries x 64 heads x 8,192 entries)", lambda: score(qi, keys, wi, pos, 4),
          lambda: idx_ref.score(qi, keys, wi, pos, 4)),
+        ("V4 CSA attention (512 queries x 64 heads x 512, window 128, top-512 of 2,048 entries)",
+         lambda: attend(*attend_args), lambda: attend_ref.attend(*attend_args)),
         ("segment gather (one 8K sequence's blocks out of the pool)", lambda: gather(k_pool, table[0].contiguous()),
          lambda: seg_ref.gather(k_pool, table[0])),
         ("paged decode attention (8 x 8K positions, 32 q / 8 kv heads x 128, 64-position blocks)",

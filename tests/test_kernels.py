@@ -283,3 +283,72 @@ def test_segment_kernels_refuse_bad_ids():
         scatter(pool, torch.tensor([1, 1], dtype=torch.int32, device=DEVICE), torch.ones(2, 3, device=DEVICE))
     with pytest.raises(ValueError, match="blocks: shape"):
         scatter(pool, torch.tensor([1], dtype=torch.int32, device=DEVICE), torch.ones(2, 3, device=DEVICE))
+
+
+def _v4_attend_inputs(b, t, h, d, q_start, key_start, n, rate, k_sel, dtype=torch.float32, seed=9):
+    g_ = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, d, generator=g_)
+    keys = torch.randn(b, q_start + t - key_start, d, generator=g_)
+    entries = torch.randn(b, n, d, generator=g_) if n else None
+    selected = None
+    if k_sel:  # distinct ids per query, some -1, some not yet visible
+        selected = torch.stack([torch.stack([torch.randperm(n + 2, generator=g_)[:k_sel] - 1 for _ in range(t)])
+                                for _ in range(b)])
+    sink = torch.randn(h, generator=g_)
+    cast = [x if x is None else x.to(DEVICE, dtype) for x in (q, keys, entries)]
+    return (*cast, None if selected is None else selected.to(DEVICE), sink.to(DEVICE))
+
+
+@pytest.mark.parametrize("b, t, h, d, q_start, key_start, window, n, rate, k_sel", [
+    (1, 1, 1, 8, 0, 0, 4, 0, 4, 0),          # sliding only, first token
+    (2, 9, 3, 20, 0, 0, 4, 0, 4, 0),         # sliding only, a prefill longer than the window
+    (2, 7, 2, 16, 30, 27, 4, 8, 4, 0),       # HCA: every visible entry; window keys from the state
+    (1, 5, 4, 24, 61, 58, 4, 16, 4, 5),      # CSA: the top-5 ids, some -1 or not yet visible
+    (2, 40, 2, 12, 0, 0, 8, 10, 4, 3),       # CSA prefill: early queries see no entry yet
+    (1, 3, 2, 16, 100, 98, 3, 1, 64, 0),     # HCA with one closed entry
+])
+def test_compressed_attention_kernel_matches_the_reference(b, t, h, d, q_start, key_start, window, n, rate, k_sel):
+    from kernels.compressed_attention import reference as ref
+    from kernels.compressed_attention.triton_attend import attend
+
+    q, keys, entries, selected, sink = _v4_attend_inputs(b, t, h, d, q_start, key_start, n, rate, k_sel)
+    args = (q, q_start, keys, key_start, window, entries, rate, selected, sink, d ** -0.5)
+    out, expected = attend(*args, block=8), ref.attend(*args)
+    assert not torch.isnan(out).any() and _rel(out, expected) < 1e-5
+
+
+def test_compressed_attention_kernel_in_bf16_and_its_refusals():
+    from kernels.compressed_attention import reference as ref
+    from kernels.compressed_attention.triton_attend import attend
+
+    q, keys, entries, selected, sink = _v4_attend_inputs(2, 6, 2, 16, 40, 37, 12, 4, 4, dtype=torch.bfloat16)
+    args = (q, 40, keys, 37, 4, entries, 4, selected, sink, 0.25)
+    assert _rel(attend(*args), ref.attend(*args)) < 2e-2
+    with pytest.raises(ValueError, match="do not reach"):
+        attend(q, 40, keys[:, :-1].contiguous(), 37, 4, entries, 4, selected, sink, 0.25)  # the last query lacks its key
+    with pytest.raises(ValueError, match="sink: dtype"):
+        attend(q, 40, keys, 37, 4, entries, 4, selected, sink.bfloat16(), 0.25)
+    with pytest.raises(ValueError, match="entries: dtype"):
+        attend(q, 40, keys, 37, 4, entries.float(), 4, selected, sink, 0.25)
+
+
+def test_a_v4_model_decodes_the_same_with_the_kernels_forced(monkeypatch):
+    """Window state, compressor and indexer state and the compressed attention kernel together:
+    a stateful prefill and decode with Triton forced (the interpreter) gives the reference's logits."""
+    from engine.config import ModelConfig
+    from engine.model.hybrid import HybridModel
+    from engine.model.random_init import hcw_hybrid_dict, init_random
+
+    model = init_random(HybridModel(ModelConfig.from_dict(hcw_hybrid_dict(hidden=64))), 1).eval()
+    ids = torch.randint(0, 263, (1, 44), generator=torch.Generator().manual_seed(4))
+
+    def run():
+        state = model.new_state()
+        steps = [model(ids[:, :37], state, last_only=True)] + [model(ids[:, i:i + 1], state) for i in range(37, 44)]
+        return torch.cat(steps, dim=1)
+
+    with torch.no_grad():
+        expected = run()
+        monkeypatch.setenv("HCW_KERNELS", "triton")
+        forced = run()
+    assert (forced - expected).abs().max().item() <= 1e-4

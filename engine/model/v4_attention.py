@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.cache.states import CompressedState, V4AttnState, WindowState
+from kernels.compressed_attention import attend
 from kernels.compressor import pool
 from kernels.indexer import score
 from engine.config import ModelConfig
@@ -255,31 +256,7 @@ class V4Attention(nn.Module):
         return self.wo_b(mixed)
 
     def _attend(self, q, q_pos, keys, key_start, entries, selected):
-        """q [B, Tq, H, D] at positions q_pos -> [B, Tq, H, D] over window keys and visible entries."""
-        scale = self.head_dim ** -0.5
-        lo_pos = max(int(q_pos[0]) - self.window + 1, key_start)
-        k = keys[:, lo_pos - key_start: int(q_pos[-1]) + 1 - key_start]  # [B, Kw, D]
-        k_pos = torch.arange(lo_pos, lo_pos + k.shape[1], device=q.device)
-        # keys (t - W, t]
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - self.window)
-        logits = torch.einsum("bqhd,bkd->bhqk", q, k) * scale
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        values = [k]
-        if entries is not None and entries.shape[1]:
-            n_vis = min((int(q_pos[-1]) + 1) // self.rate, entries.shape[1])
-            e = entries[:, :n_vis]
-            visible = torch.arange(n_vis, device=q.device)[None, :] < ((q_pos + 1) // self.rate)[:, None]
-            vis = visible[None].expand(q.shape[0], -1, -1)  # [B, Tq, n]
-            if selected is not None:
-                chosen = torch.zeros(q.shape[0], q.shape[1], n_vis + 1, dtype=torch.bool, device=q.device)
-                idx = torch.where(selected >= 0, selected.clamp(max=n_vis), n_vis)
-                chosen.scatter_(-1, idx, True)
-                vis = vis & chosen[..., :n_vis]
-            e_logits = torch.einsum("bqhd,bkd->bhqk", q, e) * scale
-            logits = torch.cat([logits, e_logits.masked_fill(~vis[:, None], float("-inf"))], dim=-1)
-            values.append(e)
-        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
-        logits = torch.cat([logits.float(), sink], dim=-1)
-        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1].to(q.dtype)
-        v = torch.cat(values, dim=1)  # [B, K, D]
-        return torch.einsum("bhqk,bkd->bqhd", probs, v)
+        """q [B, Tq, H, D] at positions q_pos -> [B, Tq, H, D] over window keys and visible entries
+        (kernels.compressed_attention: the Triton kernel on CUDA, its reference elsewhere)."""
+        return attend(q, int(q_pos[0]), keys, key_start, self.window, entries, self.rate, selected, self.attn_sink,
+                      self.head_dim ** -0.5)

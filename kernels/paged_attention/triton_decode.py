@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import FLOATS, check, empty
+from kernels.online_softmax import fold, start
 
 
 @triton.jit
@@ -30,9 +31,7 @@ def _paged_decode_kernel(q, k_pool, v_pool, table, lengths, out, scale, window, 
     o_s = tl.arange(0, BS)
     m_d = o_d < D
     b_q = tl.load(q + (i_b * H + i_h) * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_m = tl.full([1], -float("inf"), tl.float32)
-    b_l = tl.zeros([1], dtype=tl.float32)
-    b_acc = tl.zeros([BD], dtype=tl.float32)
+    b_m, b_l, b_acc = start(BD)
     for j in range(lo // BS, tl.cdiv(n, BS)):
         blk = tl.load(table + i_b * M + j).to(tl.int64)
         pos = j * BS + o_s
@@ -41,14 +40,7 @@ def _paged_decode_kernel(q, k_pool, v_pool, table, lengths, out, scale, window, 
         m_kv = m_s[:, None] & m_d[None, :]
         b_k = tl.load(k_pool + p_kv, mask=m_kv, other=0.0).to(tl.float32)
         b_v = tl.load(v_pool + p_kv, mask=m_kv, other=0.0).to(tl.float32)
-        s = tl.sum(b_k * b_q[None, :], axis=1) * scale
-        s = tl.where(m_s, s, -float("inf"))
-        m_new = tl.maximum(b_m, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(b_m - m_new)
-        b_l = b_l * alpha + tl.sum(p, axis=0)
-        b_acc = b_acc * alpha + tl.sum(p[:, None] * b_v, axis=0)
-        b_m = m_new
+        b_m, b_l, b_acc = fold(b_q, b_k, b_v, m_s, b_m, b_l, b_acc, scale)
     tl.store(out + (i_b * H + i_h) * D + o_d, (b_acc / b_l).to(out.dtype.element_ty), mask=m_d)
 
 
