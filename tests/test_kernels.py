@@ -352,3 +352,39 @@ def test_a_v4_model_decodes_the_same_with_the_kernels_forced(monkeypatch):
         monkeypatch.setenv("HCW_KERNELS", "triton")
         forced = run()
     assert (forced - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_prefill_reference_equals_dense_causal_attention_and_decode(window):
+    """The prefill oracle: a chunk at the end of each sequence attends causally (and within the
+    window), as scaled_dot_product_attention over the dense positions does; its last query is decode."""
+    from kernels.paged_attention import reference as ref
+
+    t = 5
+    q, k_pool, v_pool, table, lengths, dense = _paged(2, 4, 2, 4, 16, [7, 13])
+    qc = torch.randn(2, t, 4, 16, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    out = ref.paged_prefill(qc, k_pool, v_pool, table, lengths, window)
+    for i, (k, v) in enumerate(dense):
+        n = k.shape[1]
+        q_pos, k_pos = torch.arange(n - t, n, device=k.device), torch.arange(n, device=k.device)
+        allowed = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - (window or n))
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            qc[i].transpose(0, 1), k, v, attn_mask=allowed[None], enable_gqa=True).transpose(0, 1)
+        assert _rel(out[i], expected) < 1e-5
+    last = ref.paged_decode(qc[:, -1].contiguous(), k_pool, v_pool, table, lengths, window)
+    assert _rel(out[:, -1], last) < 1e-6
+
+
+@pytest.mark.parametrize("b, t, h, hkv, bs, d, lengths", [(1, 1, 1, 1, 16, 8, [1]), (2, 21, 4, 2, 16, 12, [21, 70]),
+                                                          (2, 5, 6, 3, 32, 33, [40, 5])])
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_prefill_kernel_matches_the_reference(b, t, h, hkv, bs, d, lengths, window):
+    from kernels.paged_attention import reference as ref
+    from kernels.paged_attention.triton_decode import paged_prefill
+
+    _, k_pool, v_pool, table, n, _ = _paged(b, h, hkv, bs, d, lengths)
+    q = torch.randn(b, t, h, d, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    out = paged_prefill(q, k_pool, v_pool, table, n, window)
+    assert not torch.isnan(out).any() and _rel(out, ref.paged_prefill(q, k_pool, v_pool, table, n, window)) < 1e-5
+    with pytest.raises(ValueError, match="hold the chunk"):
+        paged_prefill(torch.zeros(b, max(lengths) + 1, h, d, device=DEVICE), k_pool, v_pool, table, n)

@@ -1,4 +1,4 @@
-"""Paged decode attention over block tables (the prefix cache's segment layout): the Triton kernel
+"""Paged attention (decode, and prefill chunks) over block tables (the prefix cache's segment layout): the Triton kernel
 on CUDA, the torch reference on CPU or with HCW_KERNELS=reference (kernels.dispatch)."""
 
 from kernels.dispatch import use_triton
@@ -13,4 +13,12 @@ def paged_decode(q, k_pool, v_pool, table, lengths, window=None, scale=None):
     return reference.paged_decode(q, k_pool, v_pool, table, lengths, window, scale)
 
 
-__all__ = ["paged_decode"]
+def paged_prefill(q, k_pool, v_pool, table, lengths, window=None, scale=None):
+    if use_triton(q, k_pool, v_pool, table, lengths):
+        from kernels.paged_attention.triton_decode import paged_prefill as kernel
+
+        return kernel(q, k_pool, v_pool, table, lengths, window, scale)
+    return reference.paged_prefill(q, k_pool, v_pool, table, lengths, window, scale)
+
+
+__all__ = ["paged_decode", "paged_prefill"]

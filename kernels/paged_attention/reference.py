@@ -11,6 +11,9 @@ positions each); a sequence's block table lists, in order, the pool blocks holdi
     lengths    [B] int32                 positions held (the new token's included)
     window     None, or W                attend only to the last W positions (sliding window)
     -> out     [B, H, D] in q's dtype, softmax(q·k * scale) v over the attended positions
+
+`paged_prefill` is the same for a chunk of T new tokens per sequence (q [B, T, H, D]): they sit at
+the last T of the `lengths` positions, their keys already in the pool, and attend causally.
 """
 
 from __future__ import annotations
@@ -19,19 +22,32 @@ import torch
 
 
 def paged_decode(q, k_pool, v_pool, table, lengths, window: int | None = None, scale: float | None = None):
-    b, h, d = q.shape
-    hkv, bs = k_pool.shape[1], k_pool.shape[2]
+    """One new token per sequence: a prefill chunk of one."""
+    return paged_prefill(q[:, None], k_pool, v_pool, table, lengths, window, scale)[:, 0]
+
+
+def paged_prefill(q, k_pool, v_pool, table, lengths, window: int | None = None, scale: float | None = None):
+    b, t, h, d = q.shape
+    hkv = k_pool.shape[1]
     scale = d ** -0.5 if scale is None else scale
     out = torch.empty_like(q)
     for i in range(b):
-        n = int(lengths[i])
-        blocks = table[i, : -(-n // bs)].long()
-        k = k_pool[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :n].float()  # [Hkv, n, D]
-        v = v_pool[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :n].float()
-        lo = 0 if window is None else max(0, n - window)
-        k, v = k[:, lo:], v[:, lo:]
-        group = h // hkv
-        qh = q[i].float().view(hkv, group, d)
-        scores = torch.einsum("kgd,knd->kgn", qh, k) * scale
-        out[i] = torch.einsum("kgn,knd->kgd", scores.softmax(-1), v).reshape(h, d).to(q.dtype)
+        k, v = _dense(k_pool, v_pool, table[i], int(lengths[i]))
+        n = k.shape[1]
+        q_pos = torch.arange(n - t, n, device=q.device)
+        k_pos = torch.arange(n, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - window
+        qh = q[i].float().view(t, hkv, h // hkv, d)
+        scores = torch.einsum("tkgd,knd->kgtn", qh, k) * scale
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[i] = torch.einsum("kgtn,knd->tkgd", probs, v).reshape(t, h, d).to(q.dtype)
     return out
+
+
+def _dense(k_pool, v_pool, row, n: int):
+    """A sequence's first n keys and values, gathered through its table row: [Hkv, n, D] float32 each."""
+    hkv, bs, d = k_pool.shape[1:]
+    blocks = row[: -(-n // bs)].long()
+    return tuple(pool[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :n].float() for pool in (k_pool, v_pool))

@@ -1,9 +1,11 @@
-"""Triton kernel for paged decode attention (contract in reference.py).
+"""Triton kernels for paged attention, decode and prefill chunks (contract in reference.py).
 
 One program per (sequence, query head) walks the sequence's block table: per block it loads the
 [BS, D] keys of its key-value head from the pool, scores them against the query in float32, and
 folds them into a running (max, sum, weighted values) — online softmax, so no [positions] row of
-scores is ever stored. Positions past the length, or before the sliding window, are masked.
+scores is ever stored. Positions past the length, or before the sliding window, are masked. The
+prefill kernel does the same for a block of 16 queries at once, with the scores and the weighted
+sum as IEEE-float32 `tl.dot`s and the causal mask per query.
 """
 
 from __future__ import annotations
@@ -64,4 +66,78 @@ def paged_decode(q, k_pool, v_pool, table, lengths, window: int | None = None, s
         _paged_decode_kernel[(b, h)](q, k_pool, v_pool, table, lengths, out, d ** -0.5 if scale is None else scale,
                                      window or 0, table.shape[1], H=h, HKV=hkv, BS=bs, D=d,
                                      BD=triton.next_power_of_2(d), WINDOWED=window is not None)
+    return out
+
+
+@triton.jit
+def _paged_prefill_kernel(q, k_pool, v_pool, table, lengths, out, scale, window, M, T,
+                          H: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                          BD: tl.constexpr, BT: tl.constexpr, WINDOWED: tl.constexpr):
+    i_b = tl.program_id(0)
+    i_tb = tl.program_id(1)
+    i_h = tl.program_id(2)
+    i_kv = i_h // (H // HKV)
+    n = tl.load(lengths + i_b)
+    o_t = i_tb * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    q_pos = n - T + o_t
+    o_d = tl.arange(0, BD)
+    o_s = tl.arange(0, BS)
+    m_d = o_d < D
+    p_q = ((i_b * T + o_t[:, None]) * H + i_h) * D + o_d[None, :]
+    b_q = tl.load(q + p_q, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    b_m = tl.full([BT], -float("inf"), tl.float32)
+    b_l = tl.zeros([BT], dtype=tl.float32)
+    b_acc = tl.zeros([BT, BD], dtype=tl.float32)
+    first = n - T + i_tb * BT  # this block's first query position
+    last = tl.minimum(first + BT, n) - 1
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(first - window + 1, 0)
+    for j in range(lo // BS, last // BS + 1):
+        blk = tl.load(table + i_b * M + j).to(tl.int64)
+        k_pos = j * BS + o_s
+        p_kv = ((blk * HKV + i_kv) * BS + o_s[:, None]) * D + o_d[None, :]
+        m_kv = (k_pos < n)[:, None] & m_d[None, :]
+        b_k = tl.load(k_pool + p_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_v = tl.load(v_pool + p_kv, mask=m_kv, other=0.0).to(tl.float32)
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < n) & m_t[:, None]
+        if WINDOWED:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale, -float("inf"))
+        m_new = tl.maximum(b_m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing allowed yet stays empty
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(b_m - m_safe)
+        b_l = b_l * alpha + tl.sum(p, axis=1)
+        b_acc = b_acc * alpha[:, None] + tl.dot(p, b_v, input_precision="ieee")
+        b_m = m_new
+    b_l = tl.where(b_l > 0, b_l, 1.0)  # rows past the chunk (masked out of the store) hold nothing
+    tl.store(out + p_q, (b_acc / b_l[:, None]).to(out.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+
+
+def paged_prefill(q, k_pool, v_pool, table, lengths, window: int | None = None, scale: float | None = None,
+                  block_t: int = 16):
+    b, t, h, d = q.shape
+    n_blocks, hkv, bs, _ = k_pool.shape
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} key-value heads")
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"block size {bs}: a power of two, at least 16 (the matmul tile)")
+    if window is not None and window < 1:
+        raise ValueError(f"window {window} must be at least 1")
+    dev = q.device
+    check("q", q, (b, t, h, d), FLOATS, dev)
+    check("k_pool", k_pool, (n_blocks, hkv, bs, d), (q.dtype,), dev)
+    check("v_pool", v_pool, (n_blocks, hkv, bs, d), (q.dtype,), dev)
+    check("table", table, (b, table.shape[1]), (torch.int32,), dev)
+    check("lengths", lengths, (b,), (torch.int32,), dev)
+    if b and int(lengths.min()) < t:
+        raise ValueError(f"lengths: every sequence must hold the chunk's {t} positions")
+    out = empty(b, t, h, d, dtype=q.dtype, device=dev)
+    if b * t:
+        _paged_prefill_kernel[(b, triton.cdiv(t, block_t), h)](
+            q, k_pool, v_pool, table, lengths, out, d ** -0.5 if scale is None else scale, window or 0,
+            table.shape[1], t, H=h, HKV=hkv, BS=bs, D=d, BD=max(16, triton.next_power_of_2(d)), BT=block_t,
+            WINDOWED=window is not None)
     return out
