@@ -120,11 +120,18 @@ def _parse(blob: bytes) -> _Header:
     end = _HEAD.size + 8 * ndim
     if len(blob) < end:
         raise BlobError("blob shorter than its shape")
-    shape = struct.unpack_from(f"<{ndim}Q", blob, _HEAD.size)
+    shape = _dims(struct.unpack_from(f"<{ndim}Q", blob, _HEAD.size))
     dtype = _DTYPES[code]
     itemsize = _ITEMSIZE[code]
     expected = math.prod(shape) * itemsize if ndim else itemsize
     return _checked_frame(blob, end, dtype, shape, itemsize, bool(shuffled), expected)
+
+
+def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # beside a zero dimension any size passes the byte count: bound each one on its own
+    if any(dim >= 1 << 48 for dim in shape):
+        raise BlobError(f"a dimension of {max(shape)}")
+    return shape
 
 
 def _head(blob: bytes, layout: struct.Struct, magic: bytes) -> tuple:
@@ -152,7 +159,7 @@ def _parse_pack(blob: bytes) -> _Header:
         ndim = blob[at]
         if ndim > 8:
             raise BlobError(f"{ndim} dimensions")
-        shapes.append(struct.unpack_from(f"<{ndim}Q", blob, at + 1))
+        shapes.append(_dims(struct.unpack_from(f"<{ndim}Q", blob, at + 1)))
         at += 1 + 8 * ndim
     itemsize = _ITEMSIZE[code]
     expected = sum(math.prod(shape) for shape in shapes) * itemsize
@@ -171,7 +178,11 @@ def _checked_frame(blob, at, dtype, shape, itemsize, shuffled, expected) -> _Hea
 
 
 def _tensor(h: _Header, raw) -> torch.Tensor | list[torch.Tensor]:
-    return _views(h, _payload(h, raw))
+    payload = _payload(h, raw)
+    try:
+        return _views(h, payload)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # a shape torch cannot take
+        raise BlobError(f"unusable shape: {e}") from None
 
 
 def _payload(h: _Header, raw) -> np.ndarray:

@@ -94,7 +94,7 @@ class DiskTier:
             presence = json.loads(old[0]) if old else {}
             kinds = sorted({kind for kind, _ in members})
             # a kind given replaces what is stored of it; its layers not given are kept (re-packed)
-            for kind, member, t in self._stored(key, kinds):
+            for kind, member, t in self._stored(key, kinds, counts):
                 if f"{member[0]}:{kind}" not in counts:
                     members[(kind, str(t.dtype))].append((member, t))
             conn.executemany("DELETE FROM blobs WHERE segment = ? AND kind = ?", [[key, k] for k in kinds])
@@ -120,19 +120,22 @@ class DiskTier:
                              "raw_len, length, checksum, data, members) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                              rows)
 
-    def _stored(self, key: str, kinds: list[str]) -> list[tuple[str, list, object]]:
-        """(kind, member, tensor) of what the segment holds of `kinds` and still verifies: the
-        layers a partial save keeps. What no longer verifies is dropped (it would be a miss)."""
-        if not self.db.conn.execute("SELECT 1 FROM segments WHERE key = ?", [key]).fetchone():
+    def _stored(self, key: str, kinds: list[str], counts: dict[str, int]) -> list[tuple[str, list, object]]:
+        """(kind, member, tensor) of the layers of `kinds` the segment holds that this save does
+        not replace (`counts` names what it gives): the layers a partial save keeps. Each kind is
+        read on its own; one that no longer verifies is dropped (it would be a miss anyway)."""
+        row = self.db.conn.execute("SELECT presence FROM segments WHERE key = ?", [key]).fetchone()
+        if row is None:
             return []
-        try:
-            pieces = self._load(key, None, kinds)
-        except DiskMiss:
-            return []
+        held = json.loads(row[0])
         out = []
-        for (layer, kind), (per_segment, data, position) in pieces.items():
-            for part, t in enumerate(data if isinstance(data, tuple) else (data,)):
-                out.append((kind, [layer, part, int(per_segment), position], t))
+        for kind in kinds:
+            if all(name in counts for name in held if name.split(":", 1)[1] == kind):
+                continue  # every stored layer of this kind is replaced: nothing to read
+            pieces, _ = self._guarded(lambda kind=kind: self._load(key, None, [kind]))
+            for (layer, _kind), (per_segment, data, position) in (pieces or {}).items():
+                for part, t in enumerate(data if isinstance(data, tuple) else (data,)):
+                    out.append((kind, [layer, part, int(per_segment), position], t))
         return out
 
     def segments(self) -> list[dict]:
@@ -217,7 +220,9 @@ class DiskTier:
             if len(values) != len(entries):
                 raise DiskMiss(f"decode: pack {entries[0][0]} holds {len(values)} tensors for {len(entries)} members")
             for (kind, layer, part, per_segment, position), t in zip(entries, values):
-                parts.setdefault((layer, kind), {})[part] = t
+                if part in parts.setdefault((layer, kind), {}):
+                    raise DiskMiss(f"decode: piece {layer}:{kind} part {part} stored twice")
+                parts[(layer, kind)][part] = t
                 flags[(layer, kind)] = (bool(per_segment), position)
         expected = json.loads(presence)
         if kinds is not None:

@@ -433,3 +433,28 @@ def test_rows_written_before_packs_are_still_read(tmp_path):
                          checksum(blob, prefix=_identity(key.hex(), 0, "kv", part, 1, 0)), blob])
     pieces, why = tier.load(key)
     assert why == "" and all(torch.equal(a, b) for a, b in zip(pieces[(0, "kv")][1], kv))
+
+
+def test_a_partial_save_beside_a_damaged_kind_keeps_the_healthy_one(tmp_path):
+    """Each kind a save touches is re-read on its own: a damaged pack of one kind does not cost
+    the stored layers of another."""
+    tier = DiskTier(tmp_path / "two.db", b"\x01" * 16)
+    key = b"\x09" * 16
+    first = {(layer, kind): (False, torch.randn(2, 3), 16) for layer in range(2) for kind in ("conv", "rec")}
+    tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, first)
+    con = tier.db.conn
+    with con:
+        (data,) = con.execute("SELECT data FROM blobs WHERE kind = 'conv'").fetchone()
+        con.execute("UPDATE blobs SET data = ? WHERE kind = 'conv'", [data[:-1] + bytes([data[-1] ^ 1])])
+    newer = {(0, "conv"): (False, torch.randn(2, 3), 16), (0, "rec"): (False, torch.randn(2, 3), 16)}
+    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, newer) == (True, "")
+    pieces, why = tier.load(key)
+    assert why == "" and sorted(pieces) == [(0, "conv"), (0, "rec"), (1, "rec")]  # 1:conv was damaged: gone
+    assert torch.equal(pieces[(1, "rec")][1], first[(1, "rec")][1])
+
+
+def test_a_blob_declaring_an_absurd_dimension_is_refused_before_decoding():
+    blob = bytearray(encode_pack([torch.zeros(0, 3)]))
+    blob[20:28] = (1 << 63).to_bytes(8, "little")  # beside the zero dimension the byte count still adds up
+    with pytest.raises(BlobError, match="a dimension of"):
+        decode_pack(bytes(blob))

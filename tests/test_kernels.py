@@ -304,6 +304,7 @@ def _v4_attend_inputs(b, t, h, d, q_start, key_start, n, rate, k_sel, dtype=torc
     (2, 9, 3, 20, 0, 0, 4, 0, 4, 0),         # sliding only, a prefill longer than the window
     (2, 7, 2, 16, 30, 27, 4, 8, 4, 0),       # HCA: every visible entry; window keys from the state
     (1, 5, 4, 24, 61, 58, 4, 16, 4, 5),      # CSA: the top-5 ids, some -1 or not yet visible
+    (1, 4, 2, 16, 70, 67, 4, 17, 4, 13),     # CSA: 13 ids, read 8 at a time
     (2, 40, 2, 12, 0, 0, 8, 10, 4, 3),       # CSA prefill: early queries see no entry yet
     (1, 3, 2, 16, 100, 98, 3, 1, 64, 0),     # HCA with one closed entry
 ])
@@ -388,3 +389,7 @@ def test_paged_prefill_kernel_matches_the_reference(b, t, h, hkv, bs, d, lengths
     assert not torch.isnan(out).any() and _rel(out, ref.paged_prefill(q, k_pool, v_pool, table, n, window)) < 1e-5
     with pytest.raises(ValueError, match="hold the chunk"):
         paged_prefill(torch.zeros(b, max(lengths) + 1, h, d, device=DEVICE), k_pool, v_pool, table, n)
+    with pytest.raises(ValueError, match="block ids must lie"):
+        paged_prefill(q, k_pool, v_pool, torch.full_like(table, k_pool.shape[0]), n, window)
+    with pytest.raises(ValueError, match="blocks, the table has"):
+        paged_prefill(q, k_pool, v_pool, table, n + bs * table.shape[1], window)

@@ -14,13 +14,22 @@ from torch import nn
 
 
 def derived(owner: nn.Module, name: str, weight: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """make(weight), cached on `owner` under `name` for as long as the weight's storage, device
-    and in-place version are the same (a load, a `copy_`, a `.to()` all change one of them)."""
-    if torch.is_grad_enabled() and weight.requires_grad:
+    """make(weight), cached on `owner` under `name` while the weight is the same storage at the same
+    in-place version (a load, a `copy_`, an optimiser step, a `.to()` each change one of them; the
+    entry holds the old storage, so its address cannot be reused by a new one). Writes through
+    `param.data` bypass the version counter and are not seen: hcw's loader and trainers do not
+    use them. Weights created under inference mode are not cached."""
+    if (torch.is_grad_enabled() and weight.requires_grad) or weight.is_inference():
         return make(weight)
-    key = (weight._version, weight.data_ptr(), weight.device, weight.dtype)
     cache = owner.__dict__.setdefault("_derived", {})
     hit = cache.get(name)
-    if hit is None or hit[0] != key:
-        hit = cache[name] = (key, make(weight.detach()))
-    return hit[1]
+    if hit is None or not _same(hit[0], hit[1], weight):
+        # outside inference mode: a cached inference tensor could not be saved for a later backward
+        with torch.inference_mode(False), torch.no_grad():
+            hit = cache[name] = (weight.detach(), weight._version, make(weight.detach()))
+    return hit[2]
+
+
+def _same(held: torch.Tensor, version: int, weight: torch.Tensor) -> bool:
+    return (held.data_ptr() == weight.data_ptr() and held.device == weight.device and held.dtype == weight.dtype
+            and held.shape == weight.shape and version == weight._version)

@@ -18,8 +18,8 @@ from kernels.online_softmax import fold, start
 
 @triton.jit
 def _attend_kernel(q, keys, entries, selected, sink, out, q_start, key_start, window, rate, scale, T, KW, N,
-                   H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BKEY: tl.constexpr, KSEL: tl.constexpr,
-                   BSEL: tl.constexpr, HAS_ENTRIES: tl.constexpr, SPARSE: tl.constexpr):
+                   KSEL, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BKEY: tl.constexpr,
+                   HAS_ENTRIES: tl.constexpr, SPARSE: tl.constexpr):
     i_bt = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = i_bt // T
@@ -40,13 +40,14 @@ def _attend_kernel(q, keys, entries, selected, sink, out, q_start, key_start, wi
         b_m, b_l, b_acc = fold(b_q, b_x, b_x, m_key, b_m, b_l, b_acc, scale)
     if HAS_ENTRIES:
         n_vis = tl.minimum((pos + 1) // rate, N)
-        if SPARSE:
-            o_s = tl.arange(0, BSEL)
-            ids = tl.load(selected + i_bt * KSEL + o_s, mask=o_s < KSEL, other=-1)
-            m_e = (ids >= 0) & (ids < n_vis)
-            b_x = tl.load(entries + (i_b * N + ids[:, None].to(tl.int64)) * D + o_d[None, :],
-                          mask=m_e[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-            b_m, b_l, b_acc = fold(b_q, b_x, b_x, m_e, b_m, b_l, b_acc, scale)
+        if SPARSE:  # the selected ids, BKEY at a time (KSEL grows with the context: not a constant)
+            for i_s in range(0, tl.cdiv(KSEL, BKEY)):
+                o_s = i_s * BKEY + o_key
+                ids = tl.load(selected + i_bt * KSEL + o_s, mask=o_s < KSEL, other=-1)
+                m_e = (ids >= 0) & (ids < n_vis)
+                b_x = tl.load(entries + (i_b * N + ids[:, None].to(tl.int64)) * D + o_d[None, :],
+                              mask=m_e[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+                b_m, b_l, b_acc = fold(b_q, b_x, b_x, m_e, b_m, b_l, b_acc, scale)
         else:
             for i_e in range(0, tl.cdiv(n_vis, BKEY)):
                 idx = i_e * BKEY + o_key
@@ -86,8 +87,7 @@ def attend(q, q_start: int, keys, key_start: int, window: int, entries, rate: in
     out = empty(b, t, h, d, dtype=q.dtype, device=dev)
     if b * t:
         _attend_kernel[(b * t, h)](q, keys, entries if has_entries else keys, selected if ksel else keys, sink, out,
-                                   q_start, key_start, window, max(rate, 1), scale, t, kw, n, H=h, D=d,
-                                   BD=triton.next_power_of_2(d), BKEY=block, KSEL=ksel,
-                                   BSEL=triton.next_power_of_2(max(ksel, 1)), HAS_ENTRIES=has_entries,
+                                   q_start, key_start, window, max(rate, 1), scale, t, kw, n, ksel, H=h, D=d,
+                                   BD=triton.next_power_of_2(d), BKEY=block, HAS_ENTRIES=has_entries,
                                    SPARSE=ksel > 0)
     return out

@@ -18,6 +18,20 @@ from kernels.dispatch import FLOATS, check, empty
 from kernels.online_softmax import fold, start
 
 
+def _check_table(table, lengths, n_blocks: int, bs: int) -> None:
+    """Every block a sequence's length needs is in its table row and names a pool block."""
+    if not lengths.numel():
+        return
+    need = int(lengths.max() + bs - 1) // bs
+    if int(lengths.min()) < 0 or need > table.shape[1]:
+        raise ValueError(f"lengths: up to {int(lengths.max())} positions need {need} blocks, the table has "
+                         f"{table.shape[1]} per sequence")
+    cols = torch.arange(table.shape[1], device=table.device)
+    used = cols[None, :] < ((lengths.long() + bs - 1) // bs)[:, None]
+    if used.any() and (int(table[used].min()) < 0 or int(table[used].max()) >= n_blocks):
+        raise ValueError(f"table: block ids must lie in [0, {n_blocks})")
+
+
 @triton.jit
 def _paged_decode_kernel(q, k_pool, v_pool, table, lengths, out, scale, window, M,
                          H: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
@@ -61,6 +75,7 @@ def paged_decode(q, k_pool, v_pool, table, lengths, window: int | None = None, s
     check("v_pool", v_pool, (n_blocks, hkv, bs, d), (q.dtype,), dev)
     check("table", table, (b, table.shape[1]), (torch.int32,), dev)
     check("lengths", lengths, (b,), (torch.int32,), dev)
+    _check_table(table, lengths, n_blocks, bs)
     out = empty(b, h, d, dtype=q.dtype, device=dev)
     if b:
         _paged_decode_kernel[(b, h)](q, k_pool, v_pool, table, lengths, out, d ** -0.5 if scale is None else scale,
@@ -134,6 +149,9 @@ def paged_prefill(q, k_pool, v_pool, table, lengths, window: int | None = None, 
     check("lengths", lengths, (b,), (torch.int32,), dev)
     if b and int(lengths.min()) < t:
         raise ValueError(f"lengths: every sequence must hold the chunk's {t} positions")
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"query block {block_t}: a power of two, at least 16")
+    _check_table(table, lengths, n_blocks, bs)
     out = empty(b, t, h, d, dtype=q.dtype, device=dev)
     if b * t:
         _paged_prefill_kernel[(b, triton.cdiv(t, block_t), h)](

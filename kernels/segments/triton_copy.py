@@ -17,8 +17,8 @@ SPAN = 1024  # elements per program
 
 @triton.jit
 def _copy_kernel(src, dst, ids, E, GATHER: tl.constexpr, SPAN: tl.constexpr):
-    i_m = tl.program_id(0)
-    o = tl.program_id(1) * SPAN + tl.arange(0, SPAN)
+    i_m = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements on large pools
+    o = tl.program_id(1).to(tl.int64) * SPAN + tl.arange(0, SPAN)
     mask = o < E
     slot = tl.load(ids + i_m).to(tl.int64)
     if GATHER:
