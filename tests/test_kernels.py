@@ -205,8 +205,8 @@ def test_chunked_gdn_kernel_matches_the_reference(b, t, hk, hv, dk, dv, state):
     from kernels.gated_delta.triton_chunk import chunk_gated_delta
 
     args = _inputs(b, t, hk, hv, dk, dv, torch.float32, seed=5, state=state)
-    for chunk in (16, 32):
-        o, s = chunk_gated_delta(*args, chunk_size=chunk)
+    for chunk, block_v in ((16, 16), (32, 32)):  # dv 20 and 33 span two and three value blocks
+        o, s = chunk_gated_delta(*args, chunk_size=chunk, block_v=block_v)
         o_ref, s_ref = reference.chunk_gated_delta(*args)
         assert not torch.isnan(o).any() and not torch.isnan(s).any()  # every element written
         assert _rel(o, o_ref) < 1e-5 and _rel(s, s_ref) < 1e-5

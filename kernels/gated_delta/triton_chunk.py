@@ -1,8 +1,9 @@
 """Triton kernel for the chunked gated delta rule (prefill and Tail-Replay; contract and maths in
 reference.py).
 
-One program per (batch, value head) carries the [Dk, Dv] float32 state through the sequence a
-chunk of C tokens at a time. Per chunk, with γ the cumulative log-decay and D[i, j] = e^{γ_i−γ_j}
+One program per (batch, value head, block of value channels) carries its [Dk, BV] float32 slice of
+the state through the sequence a chunk of C tokens at a time (value channels never mix: each block
+recomputes the chunk's A and q·kᵀ and solves for its own columns of u). Per chunk, with γ the cumulative log-decay and D[i, j] = e^{γ_i−γ_j}
 (j ≤ i):
 
     (I + A) u = βv − (β e^γ k) S,    A[i, j] = β_i D[i, j] k_i·k_j  (j < i)   forward substitution
@@ -36,12 +37,13 @@ def _chunk_kernel(q, k, v, g, beta, s0, out, s_out, T,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
     i_bh = tl.program_id(0)
+    i_vb = tl.program_id(1)  # value channels are independent: each block carries its own state slice
     i_b = i_bh // HV
     i_h = i_bh % HV
     i_k = i_h // (HV // HK)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
+    o_v = i_vb * BV + tl.arange(0, BV)
     m_k = o_k < DK
     m_v = o_v < DV
     p_s = (i_b * HV + i_h) * DK * DV + o_k[:, None] * DV + o_v[None, :]
@@ -80,7 +82,7 @@ def _chunk_kernel(q, k, v, g, beta, s0, out, s_out, T,
     tl.store(s_out + p_s, b_s, mask=m_k[:, None] & m_v[None, :])
 
 
-def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 16):
+def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 16, block_v: int = 32):
     """Same contract as reference.chunk_gated_delta: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
     g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] float32 or None -> (o [B, T, Hv, Dv] in
     v's dtype, final state float32). Every input must be contiguous and 16-byte aligned."""
@@ -90,7 +92,11 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 16
     dev = v.device
     out = empty(b, t, hv, dv, dtype=v.dtype, device=dev)
     final = empty(b, hv, dk, dv, dtype=torch.float32, device=dev)
-    _chunk_kernel[(b * hv,)](q, k, v, g, beta, initial_state if initial_state is not None else final, out, final, t,
-                             HK=hk, HV=hv, DK=dk, DV=dv, C=chunk_size, BK=max(16, triton.next_power_of_2(dk)),
-                             BV=max(16, triton.next_power_of_2(dv)), HAS_S0=initial_state is not None)
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"value block {block_v}: a power of two, at least 16")
+    bv = min(block_v, max(16, triton.next_power_of_2(dv)))
+    _chunk_kernel[(b * hv, triton.cdiv(dv, bv))](q, k, v, g, beta, initial_state if initial_state is not None else final,
+                                                 out, final, t, HK=hk, HV=hv, DK=dk, DV=dv, C=chunk_size,
+                                                 BK=max(16, triton.next_power_of_2(dk)), BV=bv,
+                                                 HAS_S0=initial_state is not None)
     return out, final
