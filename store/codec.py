@@ -241,9 +241,18 @@ def decode(blob: bytes) -> torch.Tensor:
     return value
 
 
+def decode_pack(blob: bytes) -> list[torch.Tensor]:
+    value = _decode_one(blob)
+    if not isinstance(value, list):
+        raise BlobError("one tensor where a pack was expected")
+    return value
+
+
 def _decode_one(blob: bytes) -> torch.Tensor | list[torch.Tensor]:
-    h = _parse_pack(blob) if blob[:4] == PACK_MAGIC else _parse(blob)
-    return _tensor(h, _decompress(h))
+    value = decode_many([blob])[0]
+    if isinstance(value, BlobError):
+        raise value
+    return value
 
 
 def _decompress(h: _Header) -> bytes:
@@ -251,13 +260,6 @@ def _decompress(h: _Header) -> bytes:
         return _decompressor().decompress(h.frame, max_output_size=h.expected)
     except zstandard.ZstdError as e:
         raise BlobError(f"zstd: {e}") from None
-
-
-def decode_pack(blob: bytes) -> list[torch.Tensor]:
-    value = decode_many([blob])[0]
-    if isinstance(value, BlobError):
-        raise value
-    return value
 
 
 def decode_many(blobs: list[bytes], threads: int = 1) -> list[torch.Tensor | list[torch.Tensor] | BlobError]:

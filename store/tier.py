@@ -94,9 +94,8 @@ class DiskTier:
             presence = json.loads(old[0]) if old else {}
             kinds = sorted({kind for kind, _ in members})
             # a kind given replaces what is stored of it; its layers not given are kept (re-packed)
-            for kind, member, t in self._stored(key, kinds, counts):
-                if f"{member[0]}:{kind}" not in counts:
-                    members[(kind, str(t.dtype))].append((member, t))
+            for kind, member, t in self._kept(key, kinds, counts, presence):
+                members[(kind, str(t.dtype))].append((member, t))
             conn.executemany("DELETE FROM blobs WHERE segment = ? AND kind = ?", [[key, k] for k in kinds])
             rows = []
             for (kind, _), group in sorted(members.items()):
@@ -120,20 +119,19 @@ class DiskTier:
                              "raw_len, length, checksum, data, members) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                              rows)
 
-    def _stored(self, key: str, kinds: list[str], counts: dict[str, int]) -> list[tuple[str, list, object]]:
-        """(kind, member, tensor) of the layers of `kinds` the segment holds that this save does
-        not replace (`counts` names what it gives): the layers a partial save keeps. Each kind is
-        read on its own; one that no longer verifies is dropped (it would be a miss anyway)."""
-        row = self.db.conn.execute("SELECT presence FROM segments WHERE key = ?", [key]).fetchone()
-        if row is None:
-            return []
-        held = json.loads(row[0])
+    def _kept(self, key: str, kinds: list[str], counts: dict[str, int],
+              presence: dict[str, int]) -> list[tuple[str, list, object]]:
+        """(kind, member, tensor) of the stored layers of `kinds` that this save (`counts`: what
+        it gives) does not replace. Each kind is read on its own; one that no longer verifies is
+        dropped (it would be a miss anyway)."""
         out = []
         for kind in kinds:
-            if all(name in counts for name in held if name.split(":", 1)[1] == kind):
+            if all(name in counts for name in presence if name.split(":", 1)[1] == kind):
                 continue  # every stored layer of this kind is replaced: nothing to read
             pieces, _ = self._guarded(lambda kind=kind: self._load(key, None, [kind]))
             for (layer, _kind), (per_segment, data, position) in (pieces or {}).items():
+                if f"{layer}:{kind}" in counts:
+                    continue
                 for part, t in enumerate(data if isinstance(data, tuple) else (data,)):
                     out.append((kind, [layer, part, int(per_segment), position], t))
         return out
@@ -166,14 +164,15 @@ class DiskTier:
             return None, f"unexpected: {type(e).__name__}: {e}"
 
     def _load(self, key: str, deadline: float | None, kinds: list[str] | None = None) -> dict:
-        (presence, names, kinds), blobs = self._read(key, deadline, kinds, self.db.conn)
+        (presence, names, kinds), blobs = self._read(key, deadline, kinds)
         return self._assemble(presence, names, kinds, decode_many(blobs, self.decode_threads))
 
-    def _read(self, key: str, deadline: float | None, kinds: list[str] | None, conn: sqlite3.Connection):
+    def _read(self, key: str, deadline: float | None, kinds: list[str] | None):
         """The segment row and its blobs, each verified (length, checksum over blob and identity)
         before anything is decompressed: ((presence, names, kinds), blobs)."""
         if self.read_hook is not None and kinds is None:
             self.read_hook(key)
+        conn = self.db.conn
         row = conn.execute("SELECT layout, tokens, token_digest, presence FROM segments WHERE key = ?", [key]).fetchone()
         if row is None:
             raise DiskMiss("missing: no segment row")

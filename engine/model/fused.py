@@ -8,7 +8,6 @@ activations and the Python calls per layer. The loader concatenates the parts in
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.direct import Direct
@@ -20,5 +19,4 @@ class FusedLinear(Direct, nn.Linear):
         self.parts = dict(parts)  # checkpoint sibling name -> output rows, in concatenation order
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # F.linear directly: nn.Module.__call__ is a measurable share of a small model's decode step
-        return F.linear(x, self.weight, self.bias).split(list(self.parts.values()), dim=-1)
+        return self(x).split(list(self.parts.values()), dim=-1)

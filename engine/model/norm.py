@@ -25,10 +25,7 @@ class RMSNorm(Direct, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = derived(self, "scale", self.weight, (lambda w: w.float() + 1.0) if self.unit_offset else torch.Tensor.float)
-        # written out: F.rms_norm's CPU composite adds two copies, which at decode sizes cost more
-        # than the arithmetic (the same expression, bit-identical in float32)
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * scale).to(x.dtype)
+        return (_normalized(x.float(), self.eps) * scale).to(x.dtype)
 
 
 class GatedRMSNorm(Direct, nn.Module):
@@ -40,8 +37,11 @@ class GatedRMSNorm(Direct, nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 == self.weight.dtype:  # one fused op instead of two
-            y = F.rms_norm(x, x.shape[-1:], weight=self.weight, eps=self.eps)
-        else:
-            y = self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        y = self.weight * _normalized(x.float(), self.eps).to(x.dtype)
         return (y.float() * F.silu(gate.float())).to(x.dtype)
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension. Written out: F.rms_norm's CPU composite adds two copies,
+    which at decode sizes cost more than the arithmetic (the same result, bit for bit)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
