@@ -18,7 +18,7 @@ from engine.config import ModelConfig
 from engine.model.derived import derived
 from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
-from engine.model.norm import GatedRMSNorm
+from engine.model.norm import GatedRMSNorm, constant, normalized
 from kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
 
 
@@ -53,7 +53,7 @@ class GatedDeltaNet(nn.Module):
         mixed = self._conv(qkv, state)  # [B, T, C]
         qk, v = mixed.split([2 * self.n_k * self.dk, self.n_v * self.dv], -1)
         qk = _l2norm(qk.reshape(b, t, 2 * self.n_k, self.dk))  # q and k heads normalised in one pass
-        q, k = qk[:, :, : self.n_k] * self.dk ** -0.5, qk[:, :, self.n_k:]
+        q, k = qk[:, :, : self.n_k] * constant(self.dk ** -0.5, qk.dtype, qk.device), qk[:, :, self.n_k:]
         v = v.reshape(b, t, self.n_v, self.dv)
         beta = torch.sigmoid(b_in)
         g = derived(self, "neg_a", self.A_log, lambda a: -a.float().exp()) * F.softplus(a_in.float() + self.dt_bias.float())
@@ -99,5 +99,4 @@ class GatedDeltaNet(nn.Module):
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # eps inside the root, as the Gated DeltaNet checkpoints were trained with
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    return normalized(x.float(), eps, mean=False)

@@ -25,7 +25,7 @@ class RMSNorm(Direct, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = derived(self, "scale", self.weight, (lambda w: w.float() + 1.0) if self.unit_offset else torch.Tensor.float)
-        return (_normalized(x.float(), self.eps) * scale).to(x.dtype)
+        return (normalized(x.float(), self.eps) * scale).to(x.dtype)
 
 
 class GatedRMSNorm(Direct, nn.Module):
@@ -37,11 +37,31 @@ class GatedRMSNorm(Direct, nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = self.weight * _normalized(x.float(), self.eps).to(x.dtype)
+        y = self.weight * normalized(x.float(), self.eps).to(x.dtype)
         return (y.float() * F.silu(gate.float())).to(x.dtype)
 
 
-def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension. Written out: F.rms_norm's CPU composite adds two copies,
-    which at decode sizes cost more than the arithmetic (the same result, bit for bit)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+def normalized(x: torch.Tensor, eps: float, mean: bool = True) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension; with mean=False, x / sqrt(sum(x^2) + eps).
+
+    The sum of squares comes from one vector-norm reduction and eps is a cached tensor: at decode
+    sizes each op is a few microseconds of dispatch, and pow + mean + a Python-scalar add cost
+    ~1.7x this (F.rms_norm's CPU composite adds two copies on top). Rounds differently from the
+    pow/mean form in the last bit, the same on every path."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    square_mean = torch.addcmul(constant(eps, x.dtype, x.device), norm, norm, value=1.0 / x.shape[-1] if mean else 1.0)
+    return x * torch.rsqrt(square_mean)
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor holding `value`, made once: an op on a Python scalar wraps it in a new tensor
+    on every call, which at decode sizes costs as much as the op."""
+    key = (value, dtype, device)
+    held = _CONSTANTS.get(key)
+    if held is None:
+        with torch.inference_mode(False):
+            held = _CONSTANTS[key] = torch.tensor(value, dtype=dtype, device=device)
+    return held
