@@ -84,63 +84,86 @@ def _single_step(q, k, v, g, beta, state):
 
 def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, block_chunks: int = 16):
     """Chunks of `chunk_size` tokens, `block_chunks` chunks materialised at a time: the C x C
-    intermediates then cost O(block) memory whatever the sequence length."""
+    intermediates then cost O(block) memory whatever the sequence length.
+
+    Everything runs chunk-major ([N, B, H, C, D]): the sequential scan then reads each chunk's
+    blocks contiguously with no layout copies, and the output is written in place."""
     out_dtype = v.dtype
-    q, k, v, g, beta = _to_heads(q, k, v, g, beta)
-    b, h, t, dk = k.shape
-    dv = v.shape[-1]
+    b, t, h, dv = v.shape
+    dk = k.shape[-1]
     c = chunk_size
+    # padded tokens carry beta = 0 (no write) and g = 0 (no decay): the final state is unchanged
     pad = (-t) % c
-    if pad:
-        # padded tokens carry beta = 0 (no write) and g = 0 (no decay): the final state is unchanged
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    groups = h // k.shape[2]
+    q, k = (_chunked(x, c, pad, groups) for x in (q, k))
+    v, g, beta = (_chunked(x, c, pad, 1) for x in (v, g, beta))
+    n = q.shape[0]
     s = _initial(initial_state, b, h, dk, dv, v.device)
-    outs = []
-    step = c * block_chunks
-    for lo in range(0, t + pad, step):
-        hi = min(lo + step, t + pad)
-        o, s = _chunk_block(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], g[:, :, lo:hi], beta[:, :, lo:hi], s, c)
-        outs.append(o)
-    out = torch.cat(outs, dim=2)[:, :, :t] if len(outs) > 1 else outs[0][:, :, :t]
-    return out.transpose(1, 2).to(out_dtype), s
+    # without autograd, written in place; under it (training the tiny models), out of place
+    out = None if torch.is_grad_enabled() else torch.empty(n, b, h, c, dv, dtype=torch.float32, device=v.device)
+    blocks = []
+    for lo in range(0, n, block_chunks):
+        hi = min(lo + block_chunks, n)
+        o, s = _chunk_block(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], s, None if out is None else out[lo:hi])
+        blocks.append(o)
+    out = torch.cat(blocks) if out is None else out
+    out = out.permute(1, 0, 3, 2, 4).reshape(b, n * c, h, dv)  # [B, T + pad, H, Dv]
+    return (out[:, :t] if pad else out).to(out_dtype), s
 
 
-def _chunk_block(q, k, v, g, beta, s, c: int):
-    """[B, H, n*c, D] inputs, state s [B, H, Dk, Dv] -> (out [B, H, n*c, Dv], new state)."""
-    b, h, t, dk = k.shape
+def _chunked(x: torch.Tensor, c: int, pad: int, groups: int) -> torch.Tensor:
+    """[B, T, H, *D] -> [N, B, H * groups, C, *D] in float32, contiguous, zero-padded to whole chunks."""
+    if groups > 1:
+        x = x.repeat_interleave(groups, dim=2)
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    return x.float().unflatten(1, (-1, c)).movedim(1, 0).transpose(2, 3).contiguous()
+
+
+def _chunk_block(q, k, v, g, beta, s, out: torch.Tensor | None):
+    """Chunk-major inputs [N, B, H, C, D], state s [B, H, Dk, Dv] -> (out [N, B, H, C, Dv], new state).
+
+    Given `out`, the products are formed in place and the output written into it; without
+    (under autograd, which cannot differentiate through that) the same arithmetic runs out of place."""
+    differentiable = out is None
+    n, b, h, c, dk = k.shape
     dv = v.shape[-1]
-    n = t // c
-    q, k, v = (x.reshape(b, h, n, c, -1) for x in (q, k, v))
-    g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
 
-    gam = g.cumsum(-1)  # log decay from the chunk start through token i, [B, H, N, C]
+    gam = g.cumsum(-1)  # log decay from the chunk start through token i, [N, B, H, C]
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     # decay[i, j] = exp(gam_i - gam_j) for j <= i, else 0
     # (the upper triangle is positive and would overflow: capped at 0 before it is masked out)
-    decay = _exp((gam[..., :, None] - gam[..., None, :]).clamp(max=0.0)).masked_fill(~causal, 0.0)
+    decay = _exp((gam[..., :, None] - gam[..., None, :]).clamp(max=0.0))
+    decay = decay.masked_fill(~causal, 0.0) if differentiable else decay.masked_fill_(~causal, 0.0)
 
     # (I + A) u = beta * v - (beta * exp(gam) * k) S0, A[i, j] = beta_i decay[i, j] k_i.k_j for j < i
-    a = (k @ k.transpose(-1, -2)) * decay * beta[..., :, None]
-    rhs = torch.cat([v * beta[..., None], k * (beta * _exp(gam))[..., None]], dim=-1)
+    a = k @ k.transpose(-1, -2)
+    if differentiable:
+        a = a * decay * beta[..., :, None]
+        rhs = torch.cat([v * beta[..., None], k * (beta * _exp(gam))[..., None]], dim=-1)
+    else:
+        a.mul_(decay).mul_(beta[..., :, None])
+        rhs = torch.empty(n, b, h, c, dv + dk, dtype=torch.float32, device=q.device)
+        torch.mul(v, beta[..., None], out=rhs[..., :dv])
+        torch.mul(k, (beta * _exp(gam))[..., None], out=rhs[..., dv:])
     sol = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
     u_free, u_state = sol[..., :dv], sol[..., dv:]  # u = u_free - u_state @ S0
 
-    attn = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C]
+    attn = q @ k.transpose(-1, -2)  # [N, B, H, C, C]
+    attn = attn * decay if differentiable else attn.mul_(decay)
     q_decayed = q * _exp(gam)[..., None]
-    k_to_end = k * _exp(gam[..., -1:] - gam)[..., None]
-    chunk_decay = _exp(gam[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    k_to_end_t = (k * _exp(gam[..., -1:] - gam)[..., None]).transpose(-1, -2)  # [N, B, H, Dk, C]
+    chunk_decay = _exp(gam[..., -1])  # [N, B, H]
 
-    # chunk-major copies: each step of the scan below reads contiguous blocks
-    u_free, u_state, q_decayed, attn, chunk_decay = (
-        x.movedim(2, 0).contiguous() for x in (u_free, u_state, q_decayed, attn, chunk_decay))
-    k_to_end_t = k_to_end.transpose(-1, -2).movedim(2, 0).contiguous()  # [N, B, H, Dk, C]
-
-    outs = []
     s = s.reshape(b * h, dk, dv)
+    outs = []
     for i in range(n):  # batched over B * H: fused multiply-adds, no broadcasting matmuls
-        u = torch.baddbmm(u_free[i].view(-1, c, dv), u_state[i].view(-1, c, dk), s, alpha=-1)
-        outs.append(torch.baddbmm(torch.bmm(q_decayed[i].view(-1, c, dk), s), attn[i].view(-1, c, c), u))
-        s = torch.baddbmm(s * chunk_decay[i].view(-1, 1, 1), k_to_end_t[i].view(-1, dk, c), u)
-    out = torch.stack(outs).view(n, b, h, c, dv)
-    return out.movedim(0, 2).reshape(b, h, t, dv), s.view(b, h, dk, dv)
+        if differentiable:
+            u = torch.baddbmm(u_free[i].reshape(-1, c, dv), u_state[i].reshape(-1, c, dk), s, alpha=-1)
+            outs.append(torch.baddbmm(torch.bmm(q_decayed[i].view(-1, c, dk), s), attn[i].view(-1, c, c), u))
+        else:  # accumulated where they land: no copy of an addend per product
+            u = u_free[i].view(-1, c, dv).baddbmm_(u_state[i].view(-1, c, dk), s, alpha=-1)
+            o = torch.bmm(q_decayed[i].view(-1, c, dk), s, out=out[i].view(-1, c, dv))
+            o.baddbmm_(attn[i].view(-1, c, c), u)
+        s = torch.baddbmm(s * chunk_decay[i].view(-1, 1, 1), k_to_end_t[i].reshape(-1, dk, c), u)
+    return torch.stack(outs).view(n, b, h, c, dv) if differentiable else out, s.view(b, h, dk, dv)
