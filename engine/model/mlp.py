@@ -19,7 +19,11 @@ class MLP(Direct, nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)
-        return self.down_proj(F.silu(gate) * up)
+        if gate.requires_grad:
+            return self.down_proj(F.silu(gate) * up)
+        # in the projection's own buffer: at prefill sizes two fresh [T, I] activations cost more
+        # (page faults included) than the arithmetic; the down projection reads the strided view
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class Experts(nn.Module):
