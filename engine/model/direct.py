@@ -1,9 +1,9 @@
-"""Leaf modules called as plain functions.
+"""Modules called as plain functions.
 
 `nn.Module.__call__` (hook dispatch, a few microseconds) is paid on every call, and a small
 model's decode step makes ~90 of them: ~5% of the step here (measured against the same model
-with every call going through it). Leaves nothing hooks skip it: their `__call__` is their
-`forward`. Token mixers and blocks keep the full call (tests hook the mixers).
+with every call going through it). Leaves and blocks, which nothing hooks, skip it: their
+`__call__` is their `forward`. Token mixers keep the full call (tests hook them).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch import nn
 from engine.cache.states import ModelState
 from engine.config import V4_KINDS, ModelConfig
 from engine.model.attention import GatedAttention
-from engine.model.direct import Linear
+from engine.model.direct import Direct, Linear
 from engine.model.gdn import GatedDeltaNet
 from engine.model.hyper import HyperConnection, HyperHead
 from engine.model.mlp import MLP, SparseMoE, V4MoE
@@ -45,7 +45,7 @@ def make_ffn(cfg: ModelConfig, idx: int) -> nn.Module:
     return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
-class Block(nn.Module):
+class Block(Direct, nn.Module):
     """Pre-norm block on a single residual stream; attribute names are the Qwen checkpoints'."""
 
     def __init__(self, cfg: ModelConfig, idx: int):
@@ -66,7 +66,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), ids)
 
 
-class HyperBlock(nn.Module):
+class HyperBlock(Direct, nn.Module):
     """Pre-norm block on `hc_mult` hyper-connected streams; names are the DeepSeek-V4 checkpoints'."""
 
     def __init__(self, cfg: ModelConfig, idx: int):
