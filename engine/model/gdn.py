@@ -85,15 +85,18 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             history = mixed.new_zeros(b, k - 1, self.conv_dim)
         else:
-            history = state.conv.transpose(1, 2).to(mixed.dtype)
-        full = torch.cat([history, mixed], dim=1)  # [B, K-1+T, C]
-        if state is not None:
-            state.conv = full[:, -(k - 1):].transpose(1, 2).contiguous()  # stored channel-major: [B, C, K-1]
-        # tap j weighs input t-(K-1)+j
+            history = state.conv.transpose(1, 2).to(mixed.dtype)  # [B, K-1, C]
+        if state is not None:  # stored channel-major: [B, C, K-1]
+            tail = mixed[:, t - (k - 1):] if t >= k - 1 else torch.cat([history[:, t:], mixed], dim=1)
+            state.conv = tail.transpose(1, 2).contiguous()
+        # out_i = sum_j taps[j] * input_{i-(K-1)+j}, read straight from `mixed` (no [K-1+T, C]
+        # concatenation to allocate); input rows before the chunk come from history
         taps = derived(self, "taps", self.conv1d.weight, lambda w: w[:, 0].t().contiguous())  # [K, C]
-        out = full[:, :t] * taps[0]
-        for j in range(1, k):
-            out.addcmul_(full[:, j:j + t], taps[j])
+        out = mixed * taps[k - 1]
+        for j in range(k - 1):
+            back = min(k - 1 - j, t)  # leading rows whose tap-j input is in history
+            out[:, back:].addcmul_(mixed[:, : t - back], taps[j])
+            out[:, :back].addcmul_(history[:, j:j + back], taps[j])
         return F.silu(out, inplace=True)
 
 
