@@ -113,11 +113,15 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64
 
 def _chunked(x: torch.Tensor, c: int, pad: int, groups: int) -> torch.Tensor:
     """[B, T, H, *D] -> [N, B, H * groups, C, *D] in float32, contiguous, zero-padded to whole chunks."""
-    if groups > 1:
-        x = x.repeat_interleave(groups, dim=2)
     if pad:
         x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-    return x.float().unflatten(1, (-1, c)).movedim(1, 0).transpose(2, 3).contiguous()
+    x = x.float().unflatten(1, (-1, c)).movedim(1, 0).transpose(2, 3)  # [N, B, H, C, *D], a view
+    if groups == 1:
+        return x.contiguous()
+    # each head repeated for its `groups` value heads in the same single copy
+    n, b, h = x.shape[:3]
+    # (with one key head the reshape can stay a stride-0 view: hence the contiguous)
+    return x.unsqueeze(3).expand(n, b, h, groups, *x.shape[3:]).reshape(n, b, h * groups, *x.shape[3:]).contiguous()
 
 
 def _chunk_block(q, k, v, g, beta, s, out: torch.Tensor | None):
