@@ -59,7 +59,7 @@ def ratios(model, tokens: int) -> list[str]:
         for dtype in (torch.float32, torch.bfloat16):
             conv = [[t.to(dtype) for t in ts] for ts in groups]
             raw = sum(t.numel() * t.element_size() for ts in conv for t in ts)
-            shuf = sum(len(encode_pack(ts)) for ts in conv)
+            shuf = sum(len(encode_pack(ts, shuffle=True)) for ts in conv)
             plain = sum(len(encode_pack(ts, shuffle=False)) for ts in conv)
             lines.append(f"| {kind} | {str(dtype).replace('torch.', '')} | {raw / 2**20:.2f} | {raw / shuf:.2f}x | "
                          f"{raw / plain:.2f}x |")
@@ -139,8 +139,8 @@ def main() -> None:
     lines += ["", "**zstd level** (all state of the same prefill, as bf16):", ""] + levels(mixed, 2048)
     lines += ["", "**Resume from disk vs recompute** (Qwen3.5-style; a fresh cache with only the database, as in a "
               "new process). *Restore* is the tier alone: every segment's rows read, lengths and checksums verified, "
-              "blobs (one pack per segment and state kind) decompressed in one zstd multi-frame call per segment and "
-              "un-shuffled into tensors; *resume* "
+              "blobs (one pack per segment and state kind) decompressed straight into the tensors' memory (16-bit "
+              "floats through a scratch buffer and an un-shuffle; these models are fp32); *resume* "
               "adds validation, state assembly and the prefill of the new token. Raw zstd is a single-threaded "
               "loop over the same frames.", "", "| context | recompute s | resume s | speed-up | stored / raw MiB | "
               "blobs | restore MB/s | resume MB/s | raw zstd MB/s | restore / raw zstd |",

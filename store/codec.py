@@ -3,9 +3,13 @@
     tensor   magic "HCWB" | format version u8 | dtype code u8 | ndim u8 | shuffle u8 | shape u64 x ndim
     pack     magic "HCWP" | format version u8 | dtype code u8 | shuffle u8 | count u32
              | per tensor: ndim u8, shape u64 x ndim
-    payload  zstd frame (content size and content checksum on) of the tensors' bytes, concatenated and
-             byte-shuffled: byte plane 0 of every element, then plane 1, ... (floats compress far
-             better that way)
+    payload  zstd frame (content size and content checksum on) of the tensors' bytes, concatenated;
+             16-bit floats byte-shuffled (byte plane 0 of every element, then plane 1): their
+             sign-and-exponent plane compresses apart from the noisy mantissa bytes. Wider types
+             are stored in element order: on these states shuffling float32 gained at most 3% of
+             ratio (docs/BENCHMARKS.md) and cost an un-shuffle pass on every restore, while a
+             plain payload decompresses straight into the tensor's memory. The header's shuffle
+             flag says which, so blobs written either way read back.
 
 The disk tier writes packs: one per segment and state kind, so a restore pays the per-blob costs
 (row, checksum, header, frame, un-shuffle) a few times per segment instead of once per tensor.
@@ -37,6 +41,7 @@ _HEAD = struct.Struct("<4sBBBB")
 PACK_MAGIC = b"HCWP"
 _PACK_HEAD = struct.Struct("<4sBBBI")
 MAX_PACK = 1 << 16  # tensors in one pack: a larger count is a corrupt header
+_SHUFFLED = (torch.float16, torch.bfloat16)  # the dtypes written byte-shuffled
 LEVEL = 1  # measured (docs/BENCHMARKS.md, disk tier): higher levels gain no ratio on these planes and lose speed
 
 
@@ -53,16 +58,21 @@ def checksum(data: bytes, prefix: bytes = b"") -> bytes:
     return h.digest()
 
 
+def _shuffled(dtype: torch.dtype, itemsize: int, shuffle: bool | None) -> bool:
+    """None: the tier's policy (16-bit floats only); True / False force it (for measuring)."""
+    return dtype in _SHUFFLED if shuffle is None else shuffle and itemsize > 1
+
+
 def _shuffle(raw: np.ndarray, itemsize: int) -> bytes:
     return raw.reshape(-1, itemsize).T.tobytes()
 
 
-def encode(t: torch.Tensor, level: int = LEVEL, shuffle: bool = True) -> bytes:
+def encode(t: torch.Tensor, level: int = LEVEL, shuffle: bool | None = None) -> bytes:
     if t.dtype not in _CODE:
         raise BlobError(f"dtype {t.dtype} has no blob encoding")
     itemsize = t.element_size()
     raw = _bytes_of(t)
-    shuffled = shuffle and itemsize > 1
+    shuffled = _shuffled(t.dtype, itemsize, shuffle)
     payload = _shuffle(raw, itemsize) if shuffled else raw.tobytes()
     head = _HEAD.pack(MAGIC, VERSION, _CODE[t.dtype], t.dim(), int(shuffled)) + struct.pack(f"<{t.dim()}Q", *t.shape)
     frame = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(payload)
@@ -82,8 +92,8 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
 
 
-def encode_pack(tensors: list[torch.Tensor], level: int = LEVEL, shuffle: bool = True) -> bytes:
-    """One blob for several tensors of one dtype, shuffled and compressed together."""
+def encode_pack(tensors: list[torch.Tensor], level: int = LEVEL, shuffle: bool | None = None) -> bytes:
+    """One blob for several tensors of one dtype, shuffled (see _shuffled) and compressed together."""
     if not tensors or len(tensors) > MAX_PACK:
         raise BlobError(f"a pack holds 1 to {MAX_PACK} tensors, not {len(tensors)}")
     dtype = tensors[0].dtype
@@ -95,7 +105,7 @@ def encode_pack(tensors: list[torch.Tensor], level: int = LEVEL, shuffle: bool =
     flat = [_bytes_of(t) for t in tensors]
     raw = np.concatenate(flat) if flat else np.zeros(0, dtype=np.uint8)
     itemsize = tensors[0].element_size()
-    shuffled = shuffle and itemsize > 1
+    shuffled = _shuffled(dtype, itemsize, shuffle)
     payload = _shuffle(raw, itemsize) if shuffled else raw.tobytes()
     head = _PACK_HEAD.pack(PACK_MAGIC, VERSION, _CODE[dtype], int(shuffled), len(tensors))
     shapes = b"".join(struct.pack(f"<B{t.dim()}Q", t.dim(), *t.shape) for t in tensors)
@@ -129,7 +139,7 @@ def _parse(blob: bytes) -> _Header:
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
     # beside a zero dimension any size passes the byte count: bound each one on its own
-    if any(dim >= 1 << 48 for dim in shape):
+    if shape and max(shape) >= 1 << 48:
         raise BlobError(f"a dimension of {max(shape)}")
     return shape
 
@@ -177,22 +187,23 @@ def _checked_frame(blob, at, dtype, shape, itemsize, shuffled, expected) -> _Hea
     return _Header(dtype, shape, itemsize, shuffled, expected, frame)
 
 
-def _tensor(h: _Header, raw) -> torch.Tensor | list[torch.Tensor]:
-    payload = _payload(h, raw)
+def _tensor(h: _Header) -> torch.Tensor | list[torch.Tensor]:
+    payload = _payload(h)
     try:
         return _views(h, payload)
     except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # a shape torch cannot take
         raise BlobError(f"unusable shape: {e}") from None
 
 
-def _payload(h: _Header, raw) -> np.ndarray:
-    """The decompressed bytes in element order, in memory of their own: one copy (the un-shuffle,
-    or, unshuffled, a writable copy). numpy copies outside the GIL."""
-    flat = np.frombuffer(raw, dtype=np.uint8)
-    if len(flat) != h.expected:
-        raise BlobError(f"{len(flat)} bytes decompressed, expected {h.expected}")
-    if not h.shuffled or not h.expected:
-        return flat.copy()
+def _payload(h: _Header) -> np.ndarray:
+    """The decompressed bytes in element order, in memory of their own: a plain payload is
+    decompressed straight into it, a shuffled one into a per-thread scratch buffer and un-shuffled
+    from there (numpy copies outside the GIL)."""
+    if not h.expected:
+        return np.zeros(0, dtype=np.uint8)
+    if not h.shuffled:
+        return _decompress_into(h, np.empty(h.expected, dtype=np.uint8))
+    flat = _decompress_into(h, _scratch(h.expected))
     # plane by plane into the interleaved layout: ~3x faster than a transposed copy (measured)
     planes = flat.reshape(h.itemsize, -1)
     out = np.empty((planes.shape[1], h.itemsize), dtype=np.uint8)
@@ -201,25 +212,31 @@ def _payload(h: _Header, raw) -> np.ndarray:
     return out.reshape(-1)
 
 
+def _decompress_into(h: _Header, buf: np.ndarray) -> np.ndarray:
+    """The frame decompressed into `buf` (exactly h.expected bytes), its content checksum checked."""
+    done = 0
+    try:
+        with _decompressor().stream_reader(h.frame) as reader:
+            while done < h.expected:
+                got = reader.readinto(buf[done:])
+                if not got:
+                    break
+                done += got
+            extra = reader.read(1)  # reads to the frame's end: its checksum is verified there
+    except zstandard.ZstdError as e:
+        raise BlobError(f"zstd: {e}") from None
+    if done != h.expected or extra:
+        raise BlobError(f"frame holds {'more than ' if extra else ''}{done} bytes, expected {h.expected}")
+    return buf
+
+
 def _views(h: _Header, payload: np.ndarray) -> torch.Tensor | list[torch.Tensor]:
     """The tensor, or a pack's tensors, as views of the payload's memory."""
     values = torch.from_numpy(payload).view(h.dtype) if h.expected else torch.empty(0, dtype=h.dtype)
     if not isinstance(h.shape, list):
         return values.view(h.shape)
-    out, at = [], 0
-    for shape in h.shape:
-        n = math.prod(shape)
-        out.append(values.as_strided(shape, _strides(shape), at))
-        at += n
-    return out
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
+    parts = values.split([math.prod(shape) for shape in h.shape])
+    return [part.view(shape) for part, shape in zip(parts, h.shape)]
 
 
 _local = threading.local()
@@ -232,6 +249,14 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if dctx is None:
         dctx = _local.dctx = zstandard.ZstdDecompressor()
     return dctx
+
+
+def _scratch(size: int) -> np.ndarray:
+    """A per-thread buffer of at least `size` bytes, reused: fresh pages cost a fault each."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < size:
+        buf = _local.scratch = np.empty(size, dtype=np.uint8)
+    return buf[:size]
 
 
 def decode(blob: bytes) -> torch.Tensor:
@@ -255,33 +280,13 @@ def _decode_one(blob: bytes) -> torch.Tensor | list[torch.Tensor]:
     return value
 
 
-def _decompress(h: _Header) -> bytes:
-    try:
-        return _decompressor().decompress(h.frame, max_output_size=h.expected)
-    except zstandard.ZstdError as e:
-        raise BlobError(f"zstd: {e}") from None
-
-
-def decode_many(blobs: list[bytes], threads: int = 1) -> list[torch.Tensor | list[torch.Tensor] | BlobError]:
+def decode_many(blobs: list[bytes]) -> list[torch.Tensor | list[torch.Tensor] | BlobError]:
     """`decode` of many blobs at once (tensors or packs), each result a tensor, a pack's list of
-    tensors, or the BlobError that blob raised. The frames are decompressed in one call (zstd's
-    multi-frame API, on `threads` threads; 0: one per core, which only pays for large segments)."""
+    tensors, or the BlobError that blob raised."""
     out: list = []
-    headers: list[tuple[int, _Header]] = []
-    for i, blob in enumerate(blobs):
+    for blob in blobs:
         try:
-            headers.append((i, _parse_pack(blob) if blob[:4] == PACK_MAGIC else _parse(blob)))
-            out.append(None)
+            out.append(_tensor(_parse_pack(blob) if blob[:4] == PACK_MAGIC else _parse(blob)))
         except BlobError as e:
             out.append(e)
-    frames = [h.frame for _, h in headers if h.expected]
-    try:
-        raws = iter(_decompressor().multi_decompress_to_buffer(frames, threads=threads or -1) if frames else [])
-    except zstandard.ZstdError:
-        raws = None  # some frame is bad: decompress one by one to tell which
-    for i, h in headers:
-        try:
-            out[i] = _tensor(h, (next(raws) if h.expected else b"") if raws is not None else _decompress(h))
-        except BlobError as e:
-            out[i] = e
     return out

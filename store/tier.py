@@ -51,9 +51,6 @@ class DiskTier:
         self.saved = 0
         self.failures: dict[str, int] = {}
         self.read_hook = None  # fault-injection seam: called with the key before each read
-        # zstd threads per segment load: 1 (measured: starting threads per segment of small blobs
-        # costs more than it saves); 0 uses one per core
-        self.decode_threads = 1
 
     def register_model(self, fingerprint: bytes, config: dict) -> None:
         self.db["models"].upsert({"fingerprint": fingerprint.hex(), "config": json.dumps(config, default=str),
@@ -165,7 +162,7 @@ class DiskTier:
 
     def _load(self, key: str, deadline: float | None, kinds: list[str] | None = None) -> dict:
         (presence, names, kinds), blobs = self._read(key, deadline, kinds)
-        return self._assemble(presence, names, kinds, decode_many(blobs, self.decode_threads))
+        return self._assemble(presence, names, kinds, decode_many(blobs))
 
     def _read(self, key: str, deadline: float | None, kinds: list[str] | None):
         """The segment row and its blobs, each verified (length, checksum over blob and identity)
