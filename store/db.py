@@ -76,6 +76,9 @@ def default_home() -> Path:
     return Path(base) / "hcw"
 
 
+PAGE_SIZE = 65536
+
+
 def open_db(path: str | Path | None = None, timeout_s: float = 5.0) -> sqlite_utils.Database:
     """Open (creating and migrating) the workbench database."""
     path = Path(path) if path is not None else default_home() / "hcw.db"
@@ -83,6 +86,9 @@ def open_db(path: str | Path | None = None, timeout_s: float = 5.0) -> sqlite_ut
     # the workbench answers in a worker thread; calls are serialized by the caller, and SQLite
     # itself is built thread-safe, so the connection may move between threads
     db = sqlite_utils.Database(sqlite3.connect(path, check_same_thread=False))
+    # a new file gets 64 KiB pages (ignored by an existing one): blobs are ~100 KiB each and SQLite
+    # reads a blob page by page, so 4 KiB pages cost a read call per 4 KiB of every restore
+    db.execute(f"PRAGMA page_size={PAGE_SIZE}")
     db.execute("PRAGMA journal_mode=WAL")
     db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
     db.execute("PRAGMA foreign_keys=ON")

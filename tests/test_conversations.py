@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from store import conversations as conversations_module
 from store.conversations import Conversations, walk
-from store.db import migrations, open_db
+from store.db import PAGE_SIZE, migrations, open_db
 from workbench.cli import app
 
 
@@ -142,6 +142,12 @@ def test_the_tree_is_the_same_after_reopening_the_file(tmp_path):
     assert _texts(again, edited.id)[-1] == "7"
 
 
+def test_a_new_database_has_large_pages_and_a_write_ahead_log(tmp_path):
+    db = open_db(tmp_path / "new.db")
+    assert db.execute("PRAGMA page_size").fetchone()[0] == PAGE_SIZE
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
 def test_migrations_upgrade_a_database_made_before_conversations(tmp_path):
     path = tmp_path / "old.db"
     old = sqlite_utils.Database(path)
@@ -150,6 +156,7 @@ def test_migrations_upgrade_a_database_made_before_conversations(tmp_path):
     assert "messages" not in old.table_names()
     old.close()
     db = open_db(path)
+    assert db.execute("PRAGMA page_size").fetchone()[0] == 4096  # an existing file keeps its pages
     assert {"conversations", "messages", "threads"} <= set(db.table_names())
     assert [r["fingerprint"] for r in db["models"].rows] == ["ff"]
     assert {r["name"] for r in db["_sqlite_migrations"].rows} == {"m001_cache_tables", "m002_conversations",
