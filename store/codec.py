@@ -40,6 +40,7 @@ _ITEMSIZE = [torch.empty(0, dtype=d).element_size() for d in _DTYPES]
 _HEAD = struct.Struct("<4sBBBB")
 PACK_MAGIC = b"HCWP"
 _PACK_HEAD = struct.Struct("<4sBBBI")
+_SHAPES = [struct.Struct(f"<{n}Q") for n in range(9)]  # a shape of n dimensions
 MAX_PACK = 1 << 16  # tensors in one pack: a larger count is a corrupt header
 _SHUFFLED = (torch.float16, torch.bfloat16)  # the dtypes written byte-shuffled
 LEVEL = 1  # measured (docs/BENCHMARKS.md, disk tier): higher levels gain no ratio on these planes and lose speed
@@ -130,7 +131,7 @@ def _parse(blob: bytes) -> _Header:
     end = _HEAD.size + 8 * ndim
     if len(blob) < end:
         raise BlobError("blob shorter than its shape")
-    shape = _dims(struct.unpack_from(f"<{ndim}Q", blob, _HEAD.size))
+    shape = _dims(_SHAPES[ndim].unpack_from(blob, _HEAD.size))
     dtype = _DTYPES[code]
     itemsize = _ITEMSIZE[code]
     expected = math.prod(shape) * itemsize if ndim else itemsize
@@ -162,14 +163,14 @@ def _parse_pack(blob: bytes) -> _Header:
     magic, version, code, shuffled, count = _head(blob, _PACK_HEAD, PACK_MAGIC)
     if not 0 < count <= MAX_PACK:
         raise BlobError(f"a pack of {count} tensors")
-    shapes, at = [], _PACK_HEAD.size
+    shapes, at, size = [], _PACK_HEAD.size, len(blob)
     for _ in range(count):
-        if len(blob) < at + 1 or len(blob) < at + 1 + 8 * blob[at]:
+        ndim = blob[at] if at < size else 0
+        if at + 1 + 8 * ndim > size:
             raise BlobError("blob shorter than its shapes")
-        ndim = blob[at]
         if ndim > 8:
             raise BlobError(f"{ndim} dimensions")
-        shapes.append(_dims(struct.unpack_from(f"<{ndim}Q", blob, at + 1)))
+        shapes.append(_dims(_SHAPES[ndim].unpack_from(blob, at + 1)))
         at += 1 + 8 * ndim
     itemsize = _ITEMSIZE[code]
     expected = sum(math.prod(shape) for shape in shapes) * itemsize

@@ -216,10 +216,13 @@ class DiskTier:
             if len(values) != len(entries):
                 raise DiskMiss(f"decode: pack {entries[0][0]} holds {len(values)} tensors for {len(entries)} members")
             for (kind, layer, part, per_segment, position), t in zip(entries, values):
-                if part in parts.setdefault((layer, kind), {}):
+                by_part = parts.get((layer, kind))
+                if by_part is None:
+                    by_part = parts[(layer, kind)] = {}
+                    flags[(layer, kind)] = (bool(per_segment), position)
+                elif part in by_part:
                     raise DiskMiss(f"decode: piece {layer}:{kind} part {part} stored twice")
-                parts[(layer, kind)][part] = t
-                flags[(layer, kind)] = (bool(per_segment), position)
+                by_part[part] = t
         expected = json.loads(presence)
         if kinds is not None:
             expected = {k: v for k, v in expected.items() if k.split(":", 1)[1] in kinds}
