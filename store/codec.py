@@ -214,20 +214,27 @@ def _payload(h: _Header) -> np.ndarray:
 
 
 def _decompress_into(h: _Header, buf: np.ndarray) -> np.ndarray:
-    """The frame decompressed into `buf` (exactly h.expected bytes), its content checksum checked."""
-    done = 0
+    """The frame decompressed into `buf` (exactly h.expected bytes) and its content checksum
+    checked here: a streaming read that runs out of input right after the content never reaches
+    the checksum, so a frame cut short by its last bytes would otherwise pass."""
     try:
+        if not zstandard.get_frame_parameters(h.frame).has_checksum:
+            raise BlobError("zstd frame without a content checksum")
+        done = 0
         with _decompressor().stream_reader(h.frame) as reader:
             while done < h.expected:
                 got = reader.readinto(buf[done:])
                 if not got:
                     break
                 done += got
-            extra = reader.read(1)  # reads to the frame's end: its checksum is verified there
+            extra = reader.read(1)
     except zstandard.ZstdError as e:
         raise BlobError(f"zstd: {e}") from None
     if done != h.expected or extra:
         raise BlobError(f"frame holds {'more than ' if extra else ''}{done} bytes, expected {h.expected}")
+    # the frame ends with the low 32 bits of the content's XXH64
+    if xxhash.xxh64_intdigest(buf) & 0xFFFFFFFF != int.from_bytes(h.frame[-4:], "little"):
+        raise BlobError("zstd: content checksum mismatch (or the frame is cut short)")
     return buf
 
 

@@ -50,6 +50,14 @@ def test_codec_refuses_what_it_cannot_trust():
     flipped[-3] ^= 0x10
     with pytest.raises(BlobError):
         decode(bytes(flipped))
+    # the frame's checksum bytes cut off, alone or with a damaged byte inside: never accepted
+    for cut in range(1, 5):
+        with pytest.raises(BlobError):
+            decode(blob[:-cut])
+    damaged = bytearray(blob)
+    damaged[len(blob) // 2] ^= 0x01
+    with pytest.raises(BlobError):
+        decode(bytes(damaged[:-4]))
 
 
 @settings(max_examples=40, deadline=None)

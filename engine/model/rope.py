@@ -14,7 +14,8 @@ class Rotary:
     Rotating the first `rotary_dim` channels and passing the rest is one multiply-add over the whole
     head: x * cos + x[partner] * sin, where partner swaps the two rotary halves, sin's first half is
     negated, and (cos, sin) = (1, 0) past rotary_dim. Three ops instead of the slices and
-    concatenations of rotate_half, which at decode sizes cost more than the arithmetic."""
+    concatenations of rotate_half, which at decode sizes cost more than the arithmetic. (A passed
+    channel holding inf comes out NaN, inf * 0: only in a model that has already overflowed.)"""
 
     def __init__(self, rotary_dim: int, theta: float):
         self.rotary_dim = rotary_dim
