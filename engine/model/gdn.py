@@ -86,9 +86,8 @@ class GatedDeltaNet(nn.Module):
             history = mixed.new_zeros(b, k - 1, self.conv_dim)
         else:
             history = state.conv.transpose(1, 2).to(mixed.dtype)  # [B, K-1, C]
-        if state is not None:  # stored channel-major: [B, C, K-1]
             tail = mixed[:, t - (k - 1):] if t >= k - 1 else torch.cat([history[:, t:], mixed], dim=1)
-            state.conv = tail.transpose(1, 2).contiguous()
+            state.conv = tail.transpose(1, 2).contiguous()  # stored channel-major: [B, C, K-1]
         # out_i = sum_j taps[j] * input_{i-(K-1)+j}, read straight from `mixed` (no [K-1+T, C]
         # concatenation to allocate); input rows before the chunk come from history
         taps = derived(self, "taps", self.conv1d.weight, lambda w: w[:, 0].t().contiguous())  # [K, C]
