@@ -206,36 +206,35 @@ class DiskTier:
 
     @staticmethod
     def _assemble(presence: str, names: list, kinds: list[str] | None, decoded: list) -> dict:
-        """Pieces from the decoded blobs, checked against the segment's recorded presence."""
-        parts: dict[tuple[int, str], dict[int, object]] = {}
-        flags: dict[tuple[int, str], tuple[bool, int]] = {}
+        """Pieces from the decoded blobs, checked against the segment's recorded presence: every
+        recorded piece with all its parts, nothing stored twice, nothing unrecorded."""
+        stored: dict[tuple[int, str, int], tuple] = {}
+        members = 0
         for entries, value in zip(names, decoded):
             if isinstance(value, BlobError):
                 raise DiskMiss(f"decode: blob {entries[0][0]}: {value}")
             values = value if isinstance(value, list) else [value]
             if len(values) != len(entries):
                 raise DiskMiss(f"decode: pack {entries[0][0]} holds {len(values)} tensors for {len(entries)} members")
+            members += len(entries)
             for (kind, layer, part, per_segment, position), t in zip(entries, values):
-                by_part = parts.get((layer, kind))
-                if by_part is None:
-                    by_part = parts[(layer, kind)] = {}
-                    flags[(layer, kind)] = (bool(per_segment), position)
-                elif part in by_part:
-                    raise DiskMiss(f"decode: piece {layer}:{kind} part {part} stored twice")
-                by_part[part] = t
-        expected = json.loads(presence)
-        if kinds is not None:
-            expected = {k: v for k, v in expected.items() if k.split(":", 1)[1] in kinds}
-        found = {f"{layer}:{kind}": len(by_part) for (layer, kind), by_part in parts.items()}
-        if found != expected:
-            raise DiskMiss("missing: the segment's blobs do not match its recorded pieces and parts")
+                stored[(layer, kind, part)] = (t, per_segment, position)
+        if len(stored) != members:
+            raise DiskMiss("decode: a piece's part is stored twice")
         pieces = {}
-        for k, by_part in parts.items():
-            if sorted(by_part) != list(range(len(by_part))):
-                raise DiskMiss(f"missing: piece {k[0]}:{k[1]} lacks a part")
-            values = [by_part[i] for i in range(len(by_part))]
-            per_segment, position = flags[k]
-            pieces[k] = (per_segment, values[0] if len(values) == 1 else tuple(values), position)
+        for name, count in json.loads(presence).items():
+            layer, kind = name.split(":", 1)
+            if kinds is not None and kind not in kinds:
+                continue
+            layer = int(layer)
+            got = [stored.pop((layer, kind, part), None) for part in range(count)]
+            if None in got:
+                raise DiskMiss(f"missing: piece {name} lacks a part")
+            _, per_segment, position = got[0]
+            pieces[(layer, kind)] = (bool(per_segment), got[0][0] if count == 1 else tuple(g[0] for g in got),
+                                     position)
+        if stored:
+            raise DiskMiss("missing: the segment's blobs do not match its recorded pieces and parts")
         return pieces
 
     def close(self) -> None:

@@ -60,6 +60,34 @@ def test_codec_refuses_what_it_cannot_trust():
         decode(bytes(damaged[:-4]))
 
 
+def test_codec_never_decodes_a_damaged_frame_into_wrong_values():
+    # the zstd frame alone, without the tier's row checksum (which is what covers the blob's own
+    # header): raw, RLE and compressed blocks over several block headers; one bit flipped in the
+    # frame header, the first block headers or the checksum bytes (every byte there), or at
+    # random in the content
+    gen = torch.Generator().manual_seed(0)
+    t = torch.cat([torch.randn(70_000, generator=gen), torch.zeros(50_000), torch.arange(30_000.0)])
+    blob = encode(t)
+    assert torch.equal(decode(blob), t)
+    rng = random.Random(0)
+    start = blob.index(b"\x28\xb5\x2f\xfd")
+    positions = (list(range(start, start + 64)) + list(range(len(blob) - 64, len(blob)))
+                 + rng.sample(range(start, len(blob)), 300))
+    refused = 0
+    for at in positions:
+        damaged = bytearray(blob)
+        damaged[at] ^= 1 << rng.randrange(8)
+        try:
+            value = decode(bytes(damaged))
+        except BlobError:
+            refused += 1
+            continue
+        assert torch.equal(value, t), f"a flip at byte {at} of {len(blob)} decoded into other values"
+    assert refused >= len(positions) - 8  # what decodes at all (a window-size bit) decodes right
+    with pytest.raises(BlobError, match="take"):
+        decode(blob + b"\0")
+
+
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
        shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3), min_size=1, max_size=6),
