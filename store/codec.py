@@ -320,8 +320,9 @@ def _fresh(size: int) -> np.ndarray:
         _local.at = ARENA
     at = _local.at
     if at + size > ARENA:
-        # the list's reference and getrefcount's own argument: 2 means no view of it is alive
-        idle = [i for i, arena in enumerate(arenas) if sys.getrefcount(arena) == 2]
+        # the list's reference and getrefcount's own argument (no loop variable: it would count
+        # too): 2 means no view of the arena is alive
+        idle = [i for i in range(len(arenas)) if sys.getrefcount(arenas[i]) == 2]
         if idle:
             arenas.append(arenas.pop(idle[-1]))
         else:

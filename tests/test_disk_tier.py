@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -98,6 +99,27 @@ def test_pack_round_trips_every_tensor_bit_exactly(dtype, shapes, shuffle):
     assert [b.shape for b in back] == [t.shape for t in tensors]
     assert all(torch.equal(b.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
                for b, t in zip(back, tensors))
+
+
+def test_restored_tensors_keep_their_memory_while_later_restores_reuse_freed_arenas():
+    from store import codec
+
+    gen = torch.Generator().manual_seed(1)
+    kept_src = [torch.randn(3, 40_000, generator=gen), torch.randn(40_000, generator=gen).bfloat16()]
+    kept = [decode_pack(encode_pack([t])) for t in kept_src]  # float32 in place, bf16 un-shuffled
+    others = [encode_pack([torch.randn(60_000, generator=gen)]) for _ in range(4)]
+    seen, allocated = [], 0  # weak references: holding an arena would keep it from being reused
+    for i in range(400):  # ~96 MB, twelve arenas' worth: they fill, are dropped and reused
+        value = decode_pack(others[i % 4])[0]
+        assert value.untyped_storage().nbytes() == 240_000
+        current = codec._local.arenas[-1]
+        if not any(ref() is current for ref in seen):
+            seen.append(weakref.ref(current))
+            allocated += 1
+        del value, current
+    for src, got in zip(kept_src, kept):
+        assert torch.equal(got[0], src)  # nothing restored later wrote into a live tensor's memory
+    assert allocated <= codec.IDLE_ARENAS + 2  # freed arenas came back instead of new ones
 
 
 def test_the_tier_shuffles_16_bit_floats_only():
