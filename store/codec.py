@@ -267,7 +267,7 @@ def _check_whole(frame: memoryview) -> None:
 
 def _views(h: _Header, payload: np.ndarray) -> torch.Tensor | list[torch.Tensor]:
     """The tensor, or a pack's tensors, as views of the payload's memory."""
-    values = torch.from_numpy(payload).view(h.dtype) if h.expected else torch.empty(0, dtype=h.dtype)
+    values = torch.frombuffer(payload, dtype=h.dtype) if h.expected else torch.empty(0, dtype=h.dtype)
     if not isinstance(h.shape, list):
         return values.view(h.shape)
     at, shapes, count = 0, h.shape, len(h.shape)

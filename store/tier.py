@@ -15,6 +15,7 @@ A disk hit is only a logical hit until `load` returns pieces.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import sqlite3
 import struct
@@ -41,6 +42,17 @@ def _pack_identity(key: str, kind: str, members: str) -> bytes:
 
 
 PACK_CODEC = "hcwp1+zstd"
+
+
+@functools.lru_cache(maxsize=256)
+def _recorded(presence: str) -> tuple[tuple[int, str, int], ...]:
+    """A segment's presence column as (layer, kind, part count): segments of one layout share a
+    handful of these, so each is parsed once."""
+    out = []
+    for name, count in json.loads(presence).items():
+        layer, kind = name.split(":", 1)
+        out.append((int(layer), kind, count))
+    return tuple(out)
 
 
 class DiskTier:
@@ -192,47 +204,50 @@ class DiskTier:
             if codec == PACK_CODEC:
                 ident = _pack_identity(key, kind, members if isinstance(members, str) else "")
                 try:
-                    entries = [(kind, *m) for m in json.loads(members)]
+                    entries = json.loads(members)
                 except (TypeError, ValueError):
                     raise DiskMiss(f"checksum: pack {kind}:{part} has unreadable members") from None
             else:  # a row written before packs: one tensor
                 ident = _identity(key, layer, kind, part, per_segment, position)
-                entries = [(kind, layer, part, per_segment, position)]
+                entries = [(layer, part, per_segment, position)]
             if checksum(data, prefix=ident) != csum:
                 raise DiskMiss(f"checksum: blob {layer}:{kind}:{part}")
-            names.append(entries)
+            names.append((kind, entries))
             blobs.append(data)
         return (presence, names, kinds), blobs
 
     @staticmethod
     def _assemble(presence: str, names: list, kinds: list[str] | None, decoded: list) -> dict:
-        """Pieces from the decoded blobs, checked against the segment's recorded presence: every
-        recorded piece with all its parts, nothing stored twice, nothing unrecorded."""
+        """Pieces from the decoded blobs (`names`: each blob's kind and members), checked against
+        the segment's recorded presence: every recorded piece with all its parts, nothing stored
+        twice, nothing unrecorded."""
         stored: dict[tuple[int, str, int], tuple] = {}
         members = 0
-        for entries, value in zip(names, decoded):
+        for (kind, entries), value in zip(names, decoded):
             if isinstance(value, BlobError):
-                raise DiskMiss(f"decode: blob {entries[0][0]}: {value}")
+                raise DiskMiss(f"decode: blob {kind}: {value}")
             values = value if isinstance(value, list) else [value]
             if len(values) != len(entries):
-                raise DiskMiss(f"decode: pack {entries[0][0]} holds {len(values)} tensors for {len(entries)} members")
+                raise DiskMiss(f"decode: pack {kind} holds {len(values)} tensors for {len(entries)} members")
             members += len(entries)
-            for (kind, layer, part, per_segment, position), t in zip(entries, values):
-                stored[(layer, kind, part)] = (t, per_segment, position)
+            for (layer, part, per_segment, position), t in zip(entries, values):
+                stored[layer, kind, part] = (t, per_segment, position)
         if len(stored) != members:
             raise DiskMiss("decode: a piece's part is stored twice")
         pieces = {}
-        for name, count in json.loads(presence).items():
-            layer, kind = name.split(":", 1)
+        for layer, kind, count in _recorded(presence):
             if kinds is not None and kind not in kinds:
                 continue
-            layer = int(layer)
-            got = [stored.pop((layer, kind, part), None) for part in range(count)]
-            if None in got:
-                raise DiskMiss(f"missing: piece {name} lacks a part")
-            _, per_segment, position = got[0]
-            pieces[(layer, kind)] = (bool(per_segment), got[0][0] if count == 1 else tuple(g[0] for g in got),
-                                     position)
+            if count == 1:
+                got = stored.pop((layer, kind, 0), None)
+                if got is None:
+                    raise DiskMiss(f"missing: piece {layer}:{kind}")
+                pieces[layer, kind] = (bool(got[1]), got[0], got[2])
+                continue
+            parts = [stored.pop((layer, kind, part), None) for part in range(count)]
+            if None in parts:
+                raise DiskMiss(f"missing: piece {layer}:{kind} lacks a part")
+            pieces[layer, kind] = (bool(parts[0][1]), tuple(p[0] for p in parts), parts[0][2])
         if stored:
             raise DiskMiss("missing: the segment's blobs do not match its recorded pieces and parts")
         return pieces
