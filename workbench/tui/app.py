@@ -106,7 +106,7 @@ class ChatApp(App):
 
     def refresh_stats(self) -> None:
         for bar in self.query(StatsBar):  # none while the screen is being torn down (the timer may still fire)
-            bar.update(stats_line(self.session.stats.as_dict()))
+            bar.show(stats_line(self.session.stats.as_dict()))
 
     def log_line(self, text: str) -> None:
         self.query_one(RichLog).write(text)

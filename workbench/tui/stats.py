@@ -12,4 +12,13 @@ def stats_line(stats: dict) -> str:
 
 
 class StatsBar(Static):
-    pass
+    """One line of fixed height: a new text is repainted without a layout of the screen (which
+    re-arranges every pane and, while an answer streams, costs the generating thread the GIL),
+    and an unchanged one not even repainted."""
+
+    shown = ""
+
+    def show(self, line: str) -> None:
+        if line != self.shown:
+            self.shown = line
+            self.update(line, layout=False)
