@@ -136,7 +136,7 @@ def main() -> None:
         "whole screen too (now a repaint, and none when the line is unchanged). What is left is the GIL: "
         "the UI thread's own CPU (the share above: Markdown append, layout, render) is Python the "
         "generating thread, itself bound by Python op dispatch on this tiny model, cannot run beside, so "
-        "the overhead is about 1.5-2x that share. Streaming into a plain `Static` instead of Markdown cost "
+        "the overhead follows that share (1.2-2x of it in the runs so far). Streaming into a plain `Static` instead of Markdown cost "
         "the same (layout and render dominate, not parsing); an app with no streamed updates at all still "
         "spent 4-6% of the turn on the UI thread. Below 5% needs the engine out of the UI's process.",
     ])
