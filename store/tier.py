@@ -172,28 +172,54 @@ class DiskTier:
         except Exception as e:  # noqa: BLE001 - whatever else a damaged file provokes is a counted miss, not a crash
             return None, f"unexpected: {type(e).__name__}: {e}"
 
+    _SEGMENT = "SELECT key, layout, tokens, token_digest, presence FROM segments WHERE key IN ({})"
+    _BLOBS = ("SELECT segment, layer, kind, part, per_segment, position, length, checksum, data, codec, members "
+              "FROM blobs WHERE segment IN ({})")
+
+    def load_many(self, keys: list[bytes], deadline: float | None = None, batch: int = 32):
+        """`load` of each key in order, yielded as (pieces, why); the rows of up to `batch` segments
+        come from one query each for segments and blobs, which a resume of hundreds of segments
+        otherwise pays twice per segment. Stop iterating at the first failure you will not use
+        past: the rest of its batch was read, nothing more."""
+        for at in range(0, len(keys), batch):
+            chunk = [k.hex() for k in keys[at:at + batch]]
+            rows, why = self._guarded(lambda chunk=chunk: self._rows(chunk))
+            for key in chunk:
+                if rows is None:
+                    yield self._counted((None, why))
+                    continue
+                yield self._counted(self._guarded(lambda key=key: self._decoded(key, rows.get(key), deadline, None)))
+
+    def _rows(self, keys: list[str]) -> dict[str, tuple[tuple, list[tuple]]]:
+        """key -> (segment row, its blob rows) for the segments of `keys` that exist."""
+        marks = ", ".join("?" * len(keys))
+        conn = self.db.conn
+        out = {row[0]: (row[1:], []) for row in conn.execute(self._SEGMENT.format(marks), keys)}
+        for row in conn.execute(self._BLOBS.format(marks), keys):
+            out[row[0]][1].append(row[1:])
+        return out
+
     def _load(self, key: str, deadline: float | None, kinds: list[str] | None = None) -> dict:
-        (presence, names, kinds), blobs = self._read(key, deadline, kinds)
+        return self._decoded(key, self._rows([key]).get(key), deadline, kinds)
+
+    def _decoded(self, key: str, rows: tuple | None, deadline: float | None, kinds: list[str] | None) -> dict:
+        (presence, names, kinds), blobs = self._verified(key, rows, deadline, kinds)
         return self._assemble(presence, names, kinds, decode_many(blobs))
 
-    def _read(self, key: str, deadline: float | None, kinds: list[str] | None):
+    def _verified(self, key: str, rows: tuple | None, deadline: float | None, kinds: list[str] | None):
         """The segment row and its blobs, each verified (length, checksum over blob and identity)
         before anything is decompressed: ((presence, names, kinds), blobs)."""
         if self.read_hook is not None and kinds is None:
             self.read_hook(key)
-        conn = self.db.conn
-        row = conn.execute("SELECT layout, tokens, token_digest, presence FROM segments WHERE key = ?", [key]).fetchone()
-        if row is None:
+        if rows is None:
             raise DiskMiss("missing: no segment row")
-        layout, tokens, digest, presence = row
+        (layout, tokens, digest, presence), blob_rows = rows
         if layout != self.layout:
             raise DiskMiss("fingerprint: written under another model or layout")
         if checksum(tokens).hex() != digest:
             raise DiskMiss("checksum: token ids do not match their digest")
         names, blobs = [], []
-        for layer, kind, part, per_segment, position, length, csum, data, codec, members in conn.execute(
-                "SELECT layer, kind, part, per_segment, position, length, checksum, data, codec, members FROM blobs "
-                "WHERE segment = ?", [key]):
+        for layer, kind, part, per_segment, position, length, csum, data, codec, members in blob_rows:
             if kinds is not None and kind not in kinds:
                 continue
             if deadline is not None and time.monotonic() > deadline:

@@ -525,3 +525,49 @@ def test_a_blob_declaring_an_absurd_dimension_is_refused_before_decoding():
     blob[20:28] = (1 << 63).to_bytes(8, "little")  # beside the zero dimension the byte count still adds up
     with pytest.raises(BlobError, match="a dimension of"):
         decode_pack(bytes(blob))
+
+
+def test_load_many_yields_what_load_gives_key_by_key_across_batches(tmp_path):
+    """The batched read a resume uses: same pieces and the same reasons as one `load` per key, in
+    the keys' order, whatever the batch boundaries; a key with no row or a damaged blob is a miss
+    for that key alone."""
+    tier = DiskTier(tmp_path / "many.db", b"\x01" * 16)
+    keys = [bytes([i]) * 16 for i in range(1, 8)]
+    for i, key in enumerate(keys):
+        pieces = {(layer, "kv"): (True, (torch.randn(2, 4), torch.randn(2, 4)), 16 * i) for layer in range(2)}
+        pieces[(0, "conv")] = (False, torch.randn(3, 2).bfloat16(), 16 * i)
+        assert tier.save(key, b"\x00" * 16, i, bytes(8 * 16), b"\x01" * 16, pieces) == (True, "")
+    con = tier.db.conn
+    with con:  # key 3: a flipped byte in one blob; key 5: its segment row gone
+        (rowid, data) = con.execute("SELECT id, data FROM blobs WHERE segment = ? LIMIT 1", [keys[3].hex()]).fetchone()
+        con.execute("UPDATE blobs SET data = ? WHERE id = ?", [data[:-9] + bytes([data[-9] ^ 4]) + data[-8:], rowid])
+        con.execute("DELETE FROM blobs WHERE segment = ?", [keys[5].hex()])
+        con.execute("DELETE FROM segments WHERE key = ?", [keys[5].hex()])
+    asked = keys + [b"\x7f" * 16]
+    one_by_one = [tier.load(k) for k in asked]
+    assert [why.split(":")[0] for _, why in one_by_one] == ["", "", "", "checksum", "", "missing", "", "missing"]
+    for batch in (1, 2, 3, 32):
+        many = list(tier.load_many(asked, batch=batch))
+        assert [why for _, why in many] == [why for _, why in one_by_one]
+        for (got, _), (want, _) in zip(many, one_by_one):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert sorted(got) == sorted(want)
+                for k in got:
+                    a, b = got[k][1], want[k][1]
+                    assert got[k][0] == want[k][0] and got[k][2] == want[k][2]
+                    assert all(torch.equal(x, y) for x, y in zip(a if isinstance(a, tuple) else (a,),
+                                                                  b if isinstance(b, tuple) else (b,)))
+
+
+def test_load_many_turns_a_failed_batch_read_into_misses(tmp_path):
+    tier = DiskTier(tmp_path / "io.db", b"\x01" * 16)
+    key = b"\x02" * 16
+    tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, {(0, "kv"): (True, torch.randn(2, 4), 0)})
+
+    def broken(keys):
+        raise sqlite3.OperationalError("disk I/O error")
+    tier._rows = broken
+    before = tier.failures.get("io", 0)
+    assert [why for _, why in tier.load_many([key, key])] == ["io: disk I/O error"] * 2
+    assert tier.failures["io"] == before + 2

@@ -172,11 +172,15 @@ class PrefixCache:
         if self.lower is None:
             return
         deadline = time.monotonic() + self.config.lower_deadline_s + self.config.lower_deadline_per_token_s * prompt_len
+        wanted = []
         for node in segments:
             held = self.table.get(node.key)
-            if held is not None and (held.exact or self.config.reuse == "approximate"):
-                continue  # (an approximate record does not hide the exact copy below from an exact lookup)
-            pieces, why = self.lower.load(node.key, deadline)
+            if held is None or not (held.exact or self.config.reuse == "approximate"):
+                wanted.append(node)  # (an approximate record does not hide the exact copy below from an exact lookup)
+        keys = [node.key for node in wanted]
+        many = getattr(self.lower, "load_many", None)  # a tier that reads many segments per query
+        loads = many(keys, deadline) if many is not None else (self.lower.load(key, deadline) for key in keys)
+        for node, (pieces, why) in zip(wanted, loads):
             if pieces is None:
                 reasons.append(f"lower tier: segment {node.index}: {why}; recomputed from there")
                 self.metrics.lower_failures[why.split(":", 1)[0]] += 1
