@@ -169,14 +169,16 @@ def _parse_pack(blob: bytes) -> _Header:
     first = _shape_at(blob, at, size)
     step = 1 + 8 * len(first)
     if blob[at:at + step * count] == blob[at:at + step] * count:
-        shapes, at = [first] * count, at + step * count  # every member has the first one's shape: the usual pack
+        # every member has the first one's shape: the usual pack
+        shapes, at, elements = [first] * count, at + step * count, math.prod(first) * count
     else:
         shapes = []
         for _ in range(count):
             shapes.append(_shape_at(blob, at, size))
             at += 1 + 8 * len(shapes[-1])
+        elements = sum(math.prod(shape) for shape in shapes)
     itemsize = _ITEMSIZE[code]
-    expected = sum(math.prod(shape) for shape in shapes) * itemsize
+    expected = elements * itemsize
     return _checked_frame(blob, at, _DTYPES[code], shapes, itemsize, bool(shuffled), expected)
 
 
@@ -230,7 +232,7 @@ def _decompress_into(h: _Header, buf: np.ndarray) -> np.ndarray:
     """The frame decompressed into `buf` (exactly h.expected bytes); zstd checks the content
     checksum, which the frame must carry in full (_check_whole)."""
     try:
-        if not zstandard.get_frame_parameters(h.frame).has_checksum:
+        if not h.frame[4] & 0x04:  # the frame header descriptor's content-checksum flag
             raise BlobError("zstd frame without a content checksum")
         _check_whole(h.frame)
         done = 0

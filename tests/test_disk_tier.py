@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +52,11 @@ def test_codec_refuses_what_it_cannot_trust():
     flipped[-3] ^= 0x10
     with pytest.raises(BlobError):
         decode(bytes(flipped))
+    # a frame written without its content checksum: nothing would catch a damaged payload
+    frame = zstandard.ZstdCompressor(level=1, write_checksum=False, write_content_size=True).compress(
+        torch.randn(4, 8).numpy().tobytes())
+    with pytest.raises(BlobError, match="without a content checksum"):
+        decode(blob[:blob.index(b"\x28\xb5\x2f\xfd")] + frame)
     # the frame's checksum bytes cut off, alone or with a damaged byte inside: never accepted
     for cut in range(1, 5):
         with pytest.raises(BlobError):
