@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+
+from markdown_it import MarkdownIt
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown
 
 from store.conversations import Message
 
 
+@functools.cache
+def _parser() -> MarkdownIt:
+    """One parser for every message (Textual's default, "gfm-like"): without a factory, Markdown
+    builds a new one on every streamed append, ~3% of the UI thread's time while an answer streams."""
+    return MarkdownIt("gfm-like")
+
+
 class MessageView(Markdown):
     """One message; its role is a CSS class (user / assistant / system)."""
+
+    def __init__(self, markdown: str, classes: str):
+        super().__init__(markdown, classes=classes, parser_factory=_parser)
 
 
 class ConversationView(VerticalScroll):
