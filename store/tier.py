@@ -180,7 +180,8 @@ class DiskTier:
         """`load` of each key in order, yielded as (pieces, why); the rows of up to `batch` segments
         come from one query each for segments and blobs, which a resume of hundreds of segments
         otherwise pays twice per segment. Stop iterating at the first failure you will not use
-        past: the rest of its batch was read, nothing more."""
+        past: the rest of its batch was read, nothing more. The deadline is checked blob by blob
+        after a batch is read, so a slow disk can overrun it by one batch."""
         for at in range(0, len(keys), batch):
             chunk = [k.hex() for k in keys[at:at + batch]]
             rows, why = self._guarded(lambda chunk=chunk: self._rows(chunk))
@@ -191,12 +192,22 @@ class DiskTier:
                 yield self._counted(self._guarded(lambda key=key: self._decoded(key, rows.get(key), deadline, None)))
 
     def _rows(self, keys: list[str]) -> dict[str, tuple[tuple, list[tuple]]]:
-        """key -> (segment row, its blob rows) for the segments of `keys` that exist."""
+        """key -> (segment row, its blob rows) for the segments of `keys` that exist, both queries
+        in one read transaction: a save committed between them cannot pair a segment row with
+        another version's blobs. A blob whose segment row is absent is left out (the key is a miss)."""
         marks = ", ".join("?" * len(keys))
         conn = self.db.conn
-        out = {row[0]: (row[1:], []) for row in conn.execute(self._SEGMENT.format(marks), keys)}
-        for row in conn.execute(self._BLOBS.format(marks), keys):
-            out[row[0]][1].append(row[1:])
+        own = not conn.in_transaction  # (a save re-reading what it keeps is inside its own)
+        if own:
+            conn.execute("BEGIN")
+        try:
+            out = {row[0]: (row[1:], []) for row in conn.execute(self._SEGMENT.format(marks), keys)}
+            for row in conn.execute(self._BLOBS.format(marks), keys):
+                if row[0] in out:
+                    out[row[0]][1].append(row[1:])
+        finally:
+            if own:
+                conn.execute("COMMIT")
         return out
 
     def _load(self, key: str, deadline: float | None, kinds: list[str] | None = None) -> dict:
@@ -264,6 +275,8 @@ class DiskTier:
         for layer, kind, count in _recorded(presence):
             if kinds is not None and kind not in kinds:
                 continue
+            if count < 1:
+                raise DiskMiss(f"missing: piece {layer}:{kind} is recorded with no parts")
             if count == 1:
                 got = stored.pop((layer, kind, 0), None)
                 if got is None:

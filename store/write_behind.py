@@ -60,13 +60,34 @@ class WriteBehind:
         return True, ""
 
     def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
+        queued = self._queued(key)
+        if queued is not None:
+            return dict(queued[5]), ""
+        return self.tier.load(key, deadline)
+
+    def load_many(self, keys: list[bytes], deadline: float | None = None):
+        """`load` of each key in order: a queued one from the queue, each run of the others read
+        from disk together (DiskTier.load_many)."""
+        at = 0
+        while at < len(keys):
+            queued = self._queued(keys[at])
+            if queued is not None:
+                yield dict(queued[5]), ""
+                at += 1
+                continue
+            end = at + 1
+            while end < len(keys) and self._queued(keys[end]) is None:
+                end += 1
+            yield from self.tier.load_many(keys[at:end], deadline)
+            at = end
+
+    def _queued(self, key: bytes) -> tuple | None:
+        """The save arguments of `key` while it waits in the queue or is being written."""
         with self._cond:
             queued = self._pending.get(key)
             if queued is None and self._writing is not None and self._writing[0] == key:
                 queued = self._writing
-        if queued is not None:
-            return dict(queued[5]), ""
-        return self.tier.load(key, deadline)
+        return queued
 
     def segments(self) -> list[dict]:
         rows = self.tier.segments()

@@ -577,3 +577,34 @@ def test_load_many_turns_a_failed_batch_read_into_misses(tmp_path):
     before = tier.failures.get("io", 0)
     assert [why for _, why in tier.load_many([key, key])] == ["io: disk I/O error"] * 2
     assert tier.failures["io"] == before + 2
+
+
+def test_a_blob_without_its_segment_row_costs_only_its_own_key(tmp_path):
+    """A stray blob row (or a segment committed between the two reads of a batch) must not fail
+    the other segments read with it (found in review: the whole batch came back 'unexpected')."""
+    path = tmp_path / "orphan.db"
+    tier = DiskTier(path, b"\x01" * 16)
+    keys = [bytes([i]) * 16 for i in range(1, 5)]
+    for i, key in enumerate(keys):
+        tier.save(key, b"\x00" * 16, i, bytes(8 * 16), b"\x01" * 16, {(0, "kv"): (True, torch.randn(2, 8), 16)})
+    tier.close()
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA foreign_keys = OFF")
+    con.execute("INSERT INTO blobs (segment, layer, kind, part, per_segment, position, is_none, codec, raw_len, "
+                "length, checksum, data) VALUES (?, 0, 'kv', 0, 1, 16, 0, 'x', 0, 1, x'00', x'00')", [(b"\x09" * 16).hex()])
+    con.commit()
+    con.close()
+    tier = DiskTier(path, b"\x01" * 16)
+    asked = keys[:2] + [b"\x09" * 16] + keys[2:]
+    want = ["", "", "missing: no segment row", "", ""]
+    assert [why for _, why in (tier.load(k) for k in asked)] == want
+    assert [why for _, why in tier.load_many(asked)] == want
+
+
+def test_a_piece_recorded_with_no_parts_is_a_named_miss(tmp_path):
+    tier = DiskTier(tmp_path / "zero.db", b"\x01" * 16)
+    key = b"\x03" * 16
+    tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, {(0, "kv"): (True, torch.randn(2, 8), 16)})
+    with tier.db.conn:
+        tier.db.conn.execute("UPDATE segments SET presence = ? WHERE key = ?", ['{"0:kv": 1, "1:kv": 0}', key.hex()])
+    assert tier.load(key) == (None, "missing: piece 1:kv is recorded with no parts")

@@ -438,3 +438,29 @@ def test_a_cache_group_over_its_budget_loses_only_its_own_pieces(model):
 def test_unknown_cache_groups_are_refused():
     with pytest.raises(ValueError, match="unknown cache groups"):
         CacheConfig(group_budgets=(("bogus", 1),))
+
+
+def test_a_held_segment_evicted_by_the_fetch_itself_is_fetched_too():
+    """The fetch decides segment by segment whether memory holds it: putting an earlier fetched
+    segment may evict a later one that was held (found in review: a fetch planned up front
+    skipped it and the resume fell back to segment 1)."""
+    from engine.cache.faults import MemoryTier
+    from engine.config import ModelConfig
+    from engine.model.hybrid import HybridModel
+    from engine.model.random_init import init_random, qwen3_5_text_dict
+
+    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))), 0)
+    cache = PrefixCache(model, CacheConfig(block_size=16), lower=MemoryTier())
+    engine = Engine(model, cache=cache)
+    g = torch.Generator().manual_seed(3)
+    prompt, other = (torch.randint(0, 263, (96,), generator=g).tolist() for _ in range(2))
+    engine.start(prompt).finish()
+    engine.start(other).finish()  # both on the lower tier
+    mine = [n.key for n in cache.index.match(prompt).segments]
+    for key in mine:
+        if key != mine[3]:
+            cache.table.remove(key)
+    cache.table.get(mine[3]).last_access_step = 0  # held, but the first to go
+    cache.table.set_budget(cache.table.used)  # any fetched segment evicts something
+    plan, _, _ = cache.lookup(prompt + [1, 2])
+    assert plan.usable_tokens == 96 and mine[3] in cache.table.records

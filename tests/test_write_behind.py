@@ -128,3 +128,39 @@ def test_an_exception_in_a_background_write_is_a_reported_failure_not_a_dead_wri
     assert wb.flush(timeout=30) and wb.saved == 1  # the writer lived on
     wb.close()
     assert wb.save(b"c" * 16, b"\x00" * 16, 2, bytes(128), LAYOUT, _pieces(3))[0] is False
+
+
+def test_load_many_serves_queued_segments_from_the_queue_and_the_rest_from_disk(tmp_path, blocked_writer):
+    disk = DiskTier(tmp_path / "lm.db", LAYOUT)
+    on_disk = [bytes([i]) * 16 for i in (1, 2)]
+    for i, key in enumerate(on_disk):
+        assert disk.save(key, b"\x00" * 16, i, bytes(8 * 16), LAYOUT, _pieces(10 + i)) == (True, "")
+    wb = WriteBehind(tmp_path / "lm.db", LAYOUT)
+    queued = b"q" * 16
+    assert wb.save(queued, b"\x00" * 16, 2, bytes(8 * 16), LAYOUT, _pieces(3)) == (True, "")
+    got = list(wb.load_many([on_disk[0], queued, on_disk[1], b"z" * 16]))
+    assert [why.split(":")[0] for _, why in got] == ["", "", "", "missing"]
+    assert torch.equal(got[1][0][(1, "recurrent")][1], _pieces(3)[(1, "recurrent")][1])
+    assert torch.equal(got[2][0][(1, "recurrent")][1], _pieces(11)[(1, "recurrent")][1])
+    blocked_writer.set()
+    wb.close()
+
+
+def test_a_lookup_reuses_segments_spilled_into_the_queue(blocked_writer, tmp_path):
+    """Segments evicted to the write-behind queue but not written yet are still hits (found in
+    review: the fetch's batched read went past the queue to the disk)."""
+    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))), 0)
+    cfg = CacheConfig(block_size=16)
+    wb = WriteBehind(tmp_path / "spill.db", layout_fingerprint(model, cfg))
+    cache = PrefixCache(model, cfg, lower=wb)
+    prompt = torch.randint(0, 263, (96,), generator=torch.Generator().manual_seed(3)).tolist()
+    Engine(model, cache=cache).start(prompt)  # records made; nothing flushed
+    for rec in list(cache.table):  # spilled under memory pressure: into the queue
+        cache.table.remove(rec.key)
+        cache._evicted(rec)
+    assert wb.queued == 6
+    plan, _, _ = cache.lookup(prompt + [1, 2])
+    assert plan.usable_tokens == 96 and cache.metrics.lower_fetches == 6
+    assert not cache.metrics.lower_failures
+    blocked_writer.set()
+    wb.close()

@@ -14,6 +14,7 @@ is routed by kind (recovery.py).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import time
@@ -35,6 +36,7 @@ from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Vali
 from engine.events import CacheLookup
 from engine.metrics import CacheMetrics
 
+READ_AHEAD = 32  # segments a fetch asks the lower tier for at once (one query each for rows and blobs)
 LAYOUT_VERSION = 2  # bump when a state piece's layout changes (2: GDN decay statistics)
 
 
@@ -172,15 +174,21 @@ class PrefixCache:
         if self.lower is None:
             return
         deadline = time.monotonic() + self.config.lower_deadline_s + self.config.lower_deadline_per_token_s * prompt_len
-        wanted = []
-        for node in segments:
+
+        def missing(node) -> bool:  # (an approximate record does not hide the exact copy below from an exact lookup)
             held = self.table.get(node.key)
-            if held is None or not (held.exact or self.config.reuse == "approximate"):
-                wanted.append(node)  # (an approximate record does not hide the exact copy below from an exact lookup)
-        keys = [node.key for node in wanted]
+            return held is None or not (held.exact or self.config.reuse == "approximate")
+
         many = getattr(self.lower, "load_many", None)  # a tier that reads many segments per query
-        loads = many(keys, deadline) if many is not None else (self.lower.load(key, deadline) for key in keys)
-        for node, (pieces, why) in zip(wanted, loads):
+        ahead, planned = iter(()), set()  # results read ahead, in order, and their keys
+        for i, node in enumerate(segments):
+            if not missing(node):
+                continue  # checked as it comes: a put below may have evicted it since
+            if node.key not in planned:
+                keys = list(itertools.islice((n.key for n in segments[i:] if missing(n)), READ_AHEAD))
+                loads = many(keys, deadline) if many is not None else (self.lower.load(k, deadline) for k in keys)
+                ahead, planned = zip(keys, loads), set(keys)
+            pieces, why = next(result for key, result in ahead if key == node.key)
             if pieces is None:
                 reasons.append(f"lower tier: segment {node.index}: {why}; recomputed from there")
                 self.metrics.lower_failures[why.split(":", 1)[0]] += 1
