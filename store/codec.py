@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import struct
-import sys
 import threading
 from typing import NamedTuple
 
@@ -218,11 +217,11 @@ def _payload(h: _Header) -> np.ndarray:
     if not h.expected:
         return np.zeros(0, dtype=np.uint8)
     if not h.shuffled:
-        return _decompress_into(h, _fresh(h.expected))
+        return _decompress_into(h, np.empty(h.expected, dtype=np.uint8))
     flat = _decompress_into(h, _scratch(h.expected))
     # plane by plane into the interleaved layout: ~3x faster than a transposed copy (measured)
     planes = flat.reshape(h.itemsize, -1)
-    out = _fresh(h.expected).reshape(planes.shape[1], h.itemsize)
+    out = np.empty((planes.shape[1], h.itemsize), dtype=np.uint8)
     for i in range(h.itemsize):
         out[:, i] = planes[i]
     return out.reshape(-1)
@@ -300,40 +299,6 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if dctx is None:
         dctx = _local.dctx = zstandard.ZstdDecompressor()
     return dctx
-
-
-ARENA = 8 << 20  # numpy asks the kernel for huge pages from 4 MiB up (measured: first touch 34 -> 15 ms per 84 MB)
-IDLE_ARENAS = 2  # arenas a thread keeps for reuse once nothing restored into them is alive
-
-
-def _fresh(size: int) -> np.ndarray:
-    """`size` bytes of memory of their own for a restored payload, carved (64-byte aligned) from a
-    per-thread 8 MiB arena: a segment's ~160 KB payload in its own allocation pays a page fault
-    per 4 KiB on first touch, a fifth of a 32K restore. A restored tensor keeps its arena alive;
-    a resume's segments are restored, kept and dropped together as one chain, so that holds at
-    most one partly used arena more than they need. An arena nothing refers to any more is
-    reused (its pages are already there); a thread keeps at most IDLE_ARENAS such. Payloads of
-    half an arena or more get their own allocation."""
-    if size * 2 >= ARENA:
-        return np.empty(size, dtype=np.uint8)
-    arenas = getattr(_local, "arenas", None)
-    if arenas is None:
-        arenas = _local.arenas = []
-        _local.at = ARENA
-    at = _local.at
-    if at + size > ARENA:
-        # the list's reference and getrefcount's own argument (no loop variable: it would count
-        # too): 2 means no view of the arena is alive
-        idle = [i for i in range(len(arenas)) if sys.getrefcount(arenas[i]) == 2]
-        if idle:
-            arenas.append(arenas.pop(idle[-1]))
-        else:
-            arenas.append(np.empty(ARENA, dtype=np.uint8))
-        while len(arenas) > IDLE_ARENAS + 1:
-            arenas.pop(0)
-        at = 0
-    _local.at = (at + size + 63) & ~63
-    return arenas[-1][at:at + size]
 
 
 def _scratch(size: int) -> np.ndarray:

@@ -8,7 +8,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import weakref
 
 import pytest
 import torch
@@ -107,25 +106,17 @@ def test_pack_round_trips_every_tensor_bit_exactly(dtype, shapes, shuffle):
                for b, t in zip(back, tensors))
 
 
-def test_restored_tensors_keep_their_memory_while_later_restores_reuse_freed_arenas():
-    from store import codec
-
+def test_restored_tensors_keep_their_memory_while_later_restores_run():
+    """A restored tensor owns its memory: the per-thread buffers a restore reuses (the shuffled
+    path's scratch buffer, the decompression context) never end up under a live tensor."""
     gen = torch.Generator().manual_seed(1)
-    kept_src = [torch.randn(3, 40_000, generator=gen), torch.randn(40_000, generator=gen).bfloat16()]
+    kept_src = [torch.randn(60_000, generator=gen), torch.randn(60_000, generator=gen).bfloat16()]
     kept = [decode_pack(encode_pack([t])) for t in kept_src]  # float32 in place, bf16 un-shuffled
-    others = [encode_pack([torch.randn(60_000, generator=gen)]) for _ in range(4)]
-    seen, allocated = [], 0  # weak references: holding an arena would keep it from being reused
-    for i in range(400):  # ~96 MB, twelve arenas' worth: they fill, are dropped and reused
-        value = decode_pack(others[i % 4])[0]
-        assert value.untyped_storage().nbytes() == 240_000
-        current = codec._local.arenas[-1]
-        if not any(ref() is current for ref in seen):
-            seen.append(weakref.ref(current))
-            allocated += 1
-        del value, current
+    others = [encode_pack([torch.randn(60_000, generator=gen).to(dtype)]) for dtype in (torch.float32, torch.bfloat16)]
+    for i in range(50):
+        assert decode_pack(others[i % 2])[0].numel() == 60_000
     for src, got in zip(kept_src, kept):
-        assert torch.equal(got[0], src)  # nothing restored later wrote into a live tensor's memory
-    assert allocated <= codec.IDLE_ARENAS + 2  # freed arenas came back instead of new ones
+        assert torch.equal(got[0], src)
 
 
 def test_the_tier_shuffles_16_bit_floats_only():
