@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -93,11 +95,11 @@ def _plain_turn(folder: Path, tokens: int) -> dict:
     return {"tokens": len(result.token_ids), "tokens_per_s": len(result.token_ids) / wall}
 
 
-def _ui_load(seconds: float) -> None:
+def _ui_load(seconds: float, folder: Path) -> None:
     """The app alone, in this process, streaming deltas at a generating engine's rate while no model
     work happens here (every turn reports one real turn made up front): the UI's own load, for
-    another process to run beside."""
-    folder = Path(tempfile.mkdtemp(prefix="hcw-tui-load-"))
+    another process to run beside. Prints "ready" once the first streamed turn is under way. (The
+    caller kills it and removes `folder`.)"""
     session = ChatSession(_options(folder / "load.db", 1))
     result = session.send(PROMPT, None, None)  # the one real turn: every streamed turn reports it
 
@@ -116,9 +118,11 @@ def _ui_load(seconds: float) -> None:
                 app.query_one("#prompt").value = PROMPT
                 app.post_message(events.Key("enter", None))
                 await asyncio.sleep(0.05)
+                print("ready", flush=True)
                 while app.busy:
                     await asyncio.sleep(0.05)
     asyncio.run(run())
+    session.close()
 
 
 def _beside_ui_process(folder: Path, tokens: int, rounds: int) -> tuple[float, float, float]:
@@ -126,12 +130,17 @@ def _beside_ui_process(folder: Path, tokens: int, rounds: int) -> tuple[float, f
     (`_ui_load`), and that process's CPU share of one core: what moving the engine out of the UI's
     process would leave."""
     alone = statistics.median(_plain_turn(folder, tokens)["tokens_per_s"] for _ in range(rounds))
-    load = subprocess.Popen([sys.executable, __file__, "--ui-load", "600"], stdout=subprocess.DEVNULL)
+    load = subprocess.Popen([sys.executable, __file__, "--ui-load", "600", str(folder)], stdout=subprocess.PIPE,
+                            text=True)
     try:
-        time.sleep(8)  # model load and first turn
+        ready, _, _ = select.select([load.stdout], [], [], 180)
+        if not ready or load.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the UI load process did not start streaming (exit code {load.poll()})")
         cpu0, t0 = psutil.Process(load.pid).cpu_times(), time.perf_counter()
         beside = statistics.median(_plain_turn(folder, tokens)["tokens_per_s"] for _ in range(rounds))
         cpu1, wall = psutil.Process(load.pid).cpu_times(), time.perf_counter() - t0
+        if load.poll() is not None:
+            raise RuntimeError(f"the UI load process ended during the measurement (exit code {load.returncode})")
     finally:
         load.kill()
         load.wait()
@@ -148,56 +157,59 @@ def _ms(values: list[float]) -> str:
 
 def main() -> None:
     if sys.argv[1:2] == ["--ui-load"]:
-        _ui_load(float(sys.argv[2]))
+        _ui_load(float(sys.argv[2]), Path(sys.argv[3]))
         return
     args = parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hcw-tui-"))
-    tokens, rounds, keys = (300, 2, 5) if args.quick else (600, 5, 20)
-    _plain_turn(folder, 8)  # first-call costs stay out of both
-    plain, tui = [], []
-    for _ in range(rounds):  # alternated, so drift on a noisy machine hits both alike
-        plain.append(_plain_turn(folder, tokens))
-        tui.append(asyncio.run(_tui_turn(folder, tokens, keys)))
-    p = statistics.median(r["tokens_per_s"] for r in plain)
-    t = statistics.median(r["tokens_per_s"] for r in tui)
-    idle = [x for r in tui for x in r["idle"]]
-    streaming = [x for r in tui for x in r["streaming"]]
-    # the median of each round's pair: this machine's speed drifts by tens of percent within a minute
-    overhead = statistics.median(1 - b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(plain, tui))
-    ui = statistics.median(r["ui_cpu_share"] for r in tui)
-    alone, beside, load_cpu = _beside_ui_process(folder, tokens, rounds)
-    print(f"plain alone {alone:.1f} tok/s, beside a UI process ({load_cpu:.0%} of a core) {beside:.1f} tok/s")
-    print(f"plain {p:.1f} tok/s, TUI {t:.1f} tok/s, overhead {overhead:.1%}, UI thread CPU {ui:.1%} of the turn; "
-          f"key latency idle {_ms(idle)} ms, streaming {_ms(streaming)} ms (median / p95)")
-    if args.no_write:
-        return
-    met = "**met**" if overhead < 0.05 else "**not met**"
-    body = "\n".join([
-        f"hcw-tiny, greedy, {tokens}-token answers (end tokens ignored), {rounds} rounds alternating the plain "
-        "REPL's path and the Textual app (headless, 160×50). Tokens/s is wall time from submit to the answer "
-        "stored, rendering included (medians; the overhead is the median of the rounds' pairs). UI thread CPU: "
-        "the app thread's own CPU time over the turn, as a share of its wall time. Key latency: from a key "
-        "event entering the app's queue until the prompt shows the character, idle and while the answer "
-        "streams (keys 20 ms apart).", "",
-        "| | tokens/s | UI thread CPU | key latency ms (median / p95) |", "|---|---:|---:|---:|",
-        f"| plain REPL path | {p:.1f} | - | - |",
-        f"| Textual app | {t:.1f} | {ui:.1%} | idle {_ms(idle)}; streaming {_ms(streaming)} |", "",
-        f"Target (issue 7): the TUI's overhead on tokens/s vs `--plain` < 5% — {met} ({overhead:.1%}). Found "
-        "and removed: the worker thread generated at half speed beside the main thread's idle OpenMP team "
-        "(released before each turn, `engine/threads.py`: 55-63% -> 23-37%); each streamed update re-lays out "
-        "the screen (5 updates a second instead of 20); the stats line's once-a-second update laid out the "
-        "whole screen too (now a repaint, and none when the line is unchanged). What is left is the UI's "
-        "own CPU (the share above: Markdown append, layout, render), and the overhead follows it (1.2-2x "
-        "of it in the runs so far). Streaming into a plain `Static` instead of Markdown cost the same "
-        "(layout and render dominate, not parsing); an app with no streamed updates at all still spent "
-        "4-6% of the turn on the UI thread. Nor is it only the GIL: plain generation beside a *second "
-        f"process* running the same app's streaming load (no model work there; {load_cpu:.0%} of a core) "
-        f"ran at {beside:.1f} against {alone:.1f} tok/s alone ({1 - beside / alone:.0%} slower), so moving the "
-        "engine out of the UI's process would not reach 5% on this 2-vCPU machine either: the UI's load "
-        "itself would have to shrink to a few percent of a core.",
-    ])
-    write_section("tui", "Workbench responsiveness (`benchmarks/tui_responsiveness.py`)", body)
+    try:
+        tokens, rounds, keys = (300, 2, 5) if args.quick else (600, 5, 20)
+        _plain_turn(folder, 8)  # first-call costs stay out of both
+        plain, tui = [], []
+        for _ in range(rounds):  # alternated, so drift on a noisy machine hits both alike
+            plain.append(_plain_turn(folder, tokens))
+            tui.append(asyncio.run(_tui_turn(folder, tokens, keys)))
+        p = statistics.median(r["tokens_per_s"] for r in plain)
+        t = statistics.median(r["tokens_per_s"] for r in tui)
+        idle = [x for r in tui for x in r["idle"]]
+        streaming = [x for r in tui for x in r["streaming"]]
+        # the median of each round's pair: this machine's speed drifts by tens of percent within a minute
+        overhead = statistics.median(1 - b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(plain, tui))
+        ui = statistics.median(r["ui_cpu_share"] for r in tui)
+        alone, beside, load_cpu = _beside_ui_process(folder, tokens, rounds)
+        print(f"plain alone {alone:.1f} tok/s, beside a UI process ({load_cpu:.0%} of a core) {beside:.1f} tok/s")
+        print(f"plain {p:.1f} tok/s, TUI {t:.1f} tok/s, overhead {overhead:.1%}, UI thread CPU {ui:.1%} of the turn; "
+              f"key latency idle {_ms(idle)} ms, streaming {_ms(streaming)} ms (median / p95)")
+        if args.no_write:
+            return
+        met = "**met**" if overhead < 0.05 else "**not met**"
+        body = "\n".join([
+            f"hcw-tiny, greedy, {tokens}-token answers (end tokens ignored), {rounds} rounds alternating the plain "
+            "REPL's path and the Textual app (headless, 160×50). Tokens/s is wall time from submit to the answer "
+            "stored, rendering included (medians; the overhead is the median of the rounds' pairs). UI thread CPU: "
+            "the app thread's own CPU time over the turn, as a share of its wall time. Key latency: from a key "
+            "event entering the app's queue until the prompt shows the character, idle and while the answer "
+            "streams (keys 20 ms apart).", "",
+            "| | tokens/s | UI thread CPU | key latency ms (median / p95) |", "|---|---:|---:|---:|",
+            f"| plain REPL path | {p:.1f} | - | - |",
+            f"| Textual app | {t:.1f} | {ui:.1%} | idle {_ms(idle)}; streaming {_ms(streaming)} |", "",
+            f"Target (issue 7): the TUI's overhead on tokens/s vs `--plain` < 5% — {met} ({overhead:.1%}). Found "
+            "and removed: the worker thread generated at half speed beside the main thread's idle OpenMP team "
+            "(released before each turn, `engine/threads.py`: 55-63% -> 23-37%); each streamed update re-lays out "
+            "the screen (5 updates a second instead of 20); the stats line's once-a-second update laid out the "
+            "whole screen too (now a repaint, and none when the line is unchanged). What is left is the UI's "
+            "own CPU (the share above: Markdown append, layout, render), and the overhead follows it (1.2-2x "
+            "of it in the runs so far). Streaming into a plain `Static` instead of Markdown cost the same "
+            "(layout and render dominate, not parsing); an app with no streamed updates at all still spent "
+            "4-6% of the turn on the UI thread. Nor is it only the GIL: plain generation beside a *second "
+            f"process* running the same app's streaming load (no model work there; {load_cpu:.0%} of a core) "
+            f"ran at {beside:.1f} against {alone:.1f} tok/s alone ({1 - beside / alone:.0%} slower), so moving the "
+            "engine out of the UI's process would not reach 5% on this 2-vCPU machine either: the UI's load "
+            "itself would have to shrink to a few percent of a core.",
+        ])
+        write_section("tui", "Workbench responsiveness (`benchmarks/tui_responsiveness.py`)", body)
 
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # every database of the run, the UI load's too
 
 if __name__ == "__main__":
     main()
