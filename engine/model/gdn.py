@@ -18,7 +18,7 @@ from engine.config import ModelConfig
 from engine.model.derived import derived
 from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
-from engine.model.norm import GatedRMSNorm, constant, normalized
+from engine.model.norm import GatedRMSNorm, as_dtype, as_float, constant, normalized
 from kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
 
 
@@ -56,7 +56,7 @@ class GatedDeltaNet(nn.Module):
         q, k = qk[:, :, : self.n_k] * constant(self.dk ** -0.5, qk.dtype, qk.device), qk[:, :, self.n_k:]
         v = v.reshape(b, t, self.n_v, self.dv)
         beta = torch.sigmoid(b_in)
-        g = derived(self, "neg_a", self.A_log, lambda a: -a.float().exp()) * F.softplus(a_in.float() + self.dt_bias.float())
+        g = derived(self, "neg_a", self.A_log, lambda a: -a.float().exp()) * F.softplus(as_float(a_in) + as_float(self.dt_bias))
         if state is not None and state.tracking:  # only a request the cache records pays for statistics
             state.record(start, g, beta.float() * v.float().norm(dim=-1))
 
@@ -79,13 +79,13 @@ class GatedDeltaNet(nn.Module):
         k = self.kernel
         if t == 1 and state is not None:
             # decode: K products per channel, in the channel-major layout the state keeps
-            full = torch.cat([state.conv.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # [B, C, K]
+            full = torch.cat([as_dtype(state.conv, mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # [B, C, K]
             state.conv = full[:, :, 1:]
             return F.silu((full * self.conv1d.weight[:, 0]).sum(-1)).unsqueeze(1)
         if state is None:
             history = mixed.new_zeros(b, k - 1, self.conv_dim)
         else:
-            history = state.conv.transpose(1, 2).to(mixed.dtype)  # [B, K-1, C]
+            history = as_dtype(state.conv.transpose(1, 2), mixed.dtype)  # [B, K-1, C]
             tail = mixed[:, t - (k - 1):] if t >= k - 1 else torch.cat([history[:, t:], mixed], dim=1)
             state.conv = tail.transpose(1, 2).contiguous()  # stored channel-major: [B, C, K-1]
         # out_i = sum_j taps[j] * input_{i-(K-1)+j}, read straight from `mixed` (no [K-1+T, C]
@@ -101,4 +101,4 @@ class GatedDeltaNet(nn.Module):
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # eps inside the root, as the Gated DeltaNet checkpoints were trained with
-    return normalized(x.float(), eps, mean=False)
+    return normalized(as_float(x), eps, mean=False)
