@@ -149,8 +149,9 @@ def main() -> None:
               "blobs (one pack per segment and state kind) decompressed straight into the tensors' memory (16-bit "
               "floats through a scratch buffer and an un-shuffle; these models are fp32); *resume* "
               "adds validation, state assembly and the prefill of the new token. Raw zstd is a single-threaded "
-              "loop decompressing the same frames into one reused buffer (no allocation, no checks); the two alternate seven times, MB/s columns are each one's best, "
-              "*restore / raw zstd* the median of the seven pairs' ratios.", "", "| context | recompute s | resume s | speed-up | stored / raw MiB | "
+              "loop decompressing the same frames into one reused buffer (no allocation, no checks); the two "
+              "alternate seven times, MB/s columns are each one's best, *restore / raw zstd* the median of the "
+              "seven pairs' ratios.", "", "| context | recompute s | resume s | speed-up | stored / raw MiB | "
               "blobs | restore MB/s | resume MB/s | raw zstd MB/s | restore / raw zstd |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for tokens in ((2048, 8192) if args.quick else (8192, 32768)):

@@ -207,7 +207,7 @@ class DiskTier:
                     out[row[0]][1].append(row[1:])
         finally:
             if own:
-                conn.execute("COMMIT")
+                conn.execute("ROLLBACK")  # it only read; this ends it after an error too
         return out
 
     def _load(self, key: str, deadline: float | None, kinds: list[str] | None = None) -> dict:

@@ -582,7 +582,8 @@ def test_a_blob_without_its_segment_row_costs_only_its_own_key(tmp_path):
     con = sqlite3.connect(path)
     con.execute("PRAGMA foreign_keys = OFF")
     con.execute("INSERT INTO blobs (segment, layer, kind, part, per_segment, position, is_none, codec, raw_len, "
-                "length, checksum, data) VALUES (?, 0, 'kv', 0, 1, 16, 0, 'x', 0, 1, x'00', x'00')", [(b"\x09" * 16).hex()])
+                "length, checksum, data) VALUES (?, 0, 'kv', 0, 1, 16, 0, 'x', 0, 1, x'00', x'00')",
+                [(b"\x09" * 16).hex()])
     con.commit()
     con.close()
     tier = DiskTier(path, b"\x01" * 16)
