@@ -184,10 +184,10 @@ class DiskTier:
         after a batch is read, so a slow disk can overrun it by one batch."""
         for at in range(0, len(keys), batch):
             chunk = [k.hex() for k in keys[at:at + batch]]
-            rows, why = self._guarded(lambda chunk=chunk: self._rows(chunk))
+            rows, _ = self._guarded(lambda chunk=chunk: self._rows(chunk))
             for key in chunk:
-                if rows is None:
-                    yield self._counted((None, why))
+                if rows is None:  # one unreadable row fails the whole query: key by key, it costs only its own
+                    yield self._counted(self._guarded(lambda key=key: self._load(key, deadline)))
                     continue
                 yield self._counted(self._guarded(lambda key=key: self._decoded(key, rows.get(key), deadline, None)))
 
@@ -197,7 +197,7 @@ class DiskTier:
         another version's blobs. A blob whose segment row is absent is left out (the key is a miss)."""
         marks = ", ".join("?" * len(keys))
         conn = self.db.conn
-        own = not conn.in_transaction  # (a save re-reading what it keeps is inside its own)
+        own = not conn.in_transaction  # (unless the caller already holds one)
         if own:
             conn.execute("BEGIN")
         try:
@@ -206,7 +206,7 @@ class DiskTier:
                 if row[0] in out:
                     out[row[0]][1].append(row[1:])
         finally:
-            if own:
+            if own and conn.in_transaction:  # (SQLite may have ended it itself after an I/O error)
                 conn.execute("ROLLBACK")  # it only read; this ends it after an error too
         return out
 

@@ -600,3 +600,17 @@ def test_a_piece_recorded_with_no_parts_is_a_named_miss(tmp_path):
     with tier.db.conn:
         tier.db.conn.execute("UPDATE segments SET presence = ? WHERE key = ?", ['{"0:kv": 1, "1:kv": 0}', key.hex()])
     assert tier.load(key) == (None, "missing: piece 1:kv is recorded with no parts")
+
+
+def test_an_unreadable_row_in_a_batch_costs_only_its_own_key(tmp_path):
+    """A text column SQLite cannot decode fails the batch's query midway: the batch is then read
+    key by key, so the healthy segment beside it is still a hit (found in review)."""
+    tier = DiskTier(tmp_path / "utf8.db", b"\x01" * 16)
+    good, bad = b"\x01" * 16, b"\x02" * 16
+    for i, key in enumerate((good, bad)):
+        tier.save(key, b"\x00" * 16, i, bytes(8 * 16), b"\x01" * 16, {(0, "kv"): (True, torch.randn(2, 8), 16)})
+    with tier.db.conn:
+        tier.db.conn.execute("UPDATE blobs SET kind = CAST(X'ff' AS TEXT) WHERE segment = ?", [bad.hex()])
+    got = [why for _, why in tier.load_many([good, bad])]
+    assert got[0] == "" and got[1].startswith("io: ")
+    assert not tier.db.conn.in_transaction

@@ -180,15 +180,24 @@ class PrefixCache:
             return held is None or not (held.exact or self.config.reuse == "approximate")
 
         many = getattr(self.lower, "load_many", None)  # a tier that reads many segments per query
-        ahead, planned = iter(()), set()  # results read ahead, in order, and their keys
+        ahead, unread = iter(()), set()  # results read ahead, in order; the keys not taken from them yet
         for i, node in enumerate(segments):
             if not missing(node):
                 continue  # checked as it comes: a put below may have evicted it since
-            if node.key not in planned:
+            if node.key in unread:
+                for key, result in ahead:  # results of keys that memory held after all are passed over
+                    unread.discard(key)
+                    if key == node.key:
+                        break
+            elif unread:  # held when the batch was planned, evicted since by this fetch's own puts
+                result = self.lower.load(node.key, deadline)
+            else:
                 keys = list(itertools.islice((n.key for n in segments[i:] if missing(n)), READ_AHEAD))
                 loads = many(keys, deadline) if many is not None else (self.lower.load(k, deadline) for k in keys)
-                ahead, planned = zip(keys, loads), set(keys)
-            pieces, why = next(result for key, result in ahead if key == node.key)
+                ahead, unread = zip(keys, loads), set(keys)
+                _, result = next(ahead)
+                unread.discard(node.key)
+            pieces, why = result
             if pieces is None:
                 reasons.append(f"lower tier: segment {node.index}: {why}; recomputed from there")
                 self.metrics.lower_failures[why.split(":", 1)[0]] += 1
