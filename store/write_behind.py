@@ -1,11 +1,12 @@
 """Write-behind in front of a DiskTier: saves are queued and written by a background thread on its
 own SQLite connection, so a spill never blocks the prefill or decode that caused it.
 
-A queued segment stays readable: `load` serves it from the queue (the same pieces that will be
-written) before asking the disk. `flush()` waits until the queue is empty — the end of every turn
-calls it (through PrefixCache.save), so a killed process loses nothing already answered. A
-background write that fails is reported once by `take_failures()`; the cache then forgets that
-segment (it is neither in memory nor on disk any more).
+A queued segment stays readable: `load` serves it from the queue, merged over what the disk
+already holds of it (the pieces the segment will hold once written). `flush()` waits until the
+queue is empty — the end of every turn calls it (through PrefixCache.save), so a killed process
+loses nothing already answered. A background write that fails is reported once by
+`take_failures()`; the cache then forgets that segment (it is neither in memory nor on disk any
+more).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class WriteBehind:
     def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
         queued = self._queued(key)
         if queued is not None:
-            return dict(queued[5]), ""
+            return self._merged(key, queued, deadline), ""
         return self.tier.load(key, deadline)
 
     def load_many(self, keys: list[bytes], deadline: float | None = None):
@@ -72,7 +73,7 @@ class WriteBehind:
         while at < len(keys):
             queued = self._queued(keys[at])
             if queued is not None:
-                yield dict(queued[5]), ""
+                yield self._merged(keys[at], queued, deadline), ""
                 at += 1
                 continue
             end = at + 1
@@ -80,6 +81,12 @@ class WriteBehind:
                 end += 1
             yield from self.tier.load_many(keys[at:end], deadline)
             at = end
+
+    def _merged(self, key: bytes, queued: tuple, deadline: float | None) -> dict:
+        """What the segment will hold once its queued save is written: a save merges into the
+        stored pieces (those it does not give are kept), so a read before the write must too."""
+        stored = self.tier.load(key, deadline)[0] if self.tier.has(key) else None
+        return {**(stored or {}), **queued[5]}
 
     def _queued(self, key: bytes) -> tuple | None:
         """The save arguments of `key` while it waits in the queue or is being written."""

@@ -164,3 +164,25 @@ def test_a_lookup_reuses_segments_spilled_into_the_queue(blocked_writer, tmp_pat
     assert not cache.metrics.lower_failures
     blocked_writer.set()
     wb.close()
+
+
+def test_a_queued_partial_save_reads_back_merged_over_what_the_disk_holds(tmp_path, blocked_writer):
+    """A save merges into the stored segment (pieces it does not give are kept): read while it
+    waits in the queue, the segment already shows that merge, as it will once written (found in
+    review: the queued pieces alone came back)."""
+    key = b"p" * 16
+    first = _pieces(1)
+    assert DiskTier(tmp_path / "part.db", LAYOUT).save(key, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, first) == (True, "")
+    wb = WriteBehind(tmp_path / "part.db", LAYOUT)
+    newer = {(1, "recurrent"): _pieces(2)[(1, "recurrent")]}
+    assert wb.save(key, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, newer) == (True, "")
+    for got, why in (wb.load(key), next(wb.load_many([key]))):
+        assert why == "" and sorted(got) == [(0, "kv"), (1, "recurrent")]
+        assert torch.equal(got[(1, "recurrent")][1], newer[(1, "recurrent")][1])
+        assert torch.equal(got[(0, "kv")][1][0], first[(0, "kv")][1][0])
+    blocked_writer.set()
+    assert wb.flush(timeout=30)
+    written, _ = wb.load(key)
+    assert sorted(written) == [(0, "kv"), (1, "recurrent")]
+    assert torch.equal(written[(1, "recurrent")][1], newer[(1, "recurrent")][1])
+    wb.close()
