@@ -445,11 +445,8 @@ def test_a_held_segment_evicted_by_the_fetch_itself_is_fetched_too():
     segment may evict a later one that was held (found in review: a fetch planned up front
     skipped it and the resume fell back to segment 1)."""
     from engine.cache.faults import MemoryTier
-    from engine.config import ModelConfig
-    from engine.model.hybrid import HybridModel
-    from engine.model.random_init import init_random, qwen3_5_text_dict
 
-    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))), 0)
+    model = _small_qwen()
     cache = PrefixCache(model, CacheConfig(block_size=16), lower=MemoryTier())
     engine = Engine(model, cache=cache)
     g = torch.Generator().manual_seed(3)
@@ -466,34 +463,37 @@ def test_a_held_segment_evicted_by_the_fetch_itself_is_fetched_too():
     assert plan.usable_tokens == 96 and mine[3] in cache.table.records
 
 
-def test_a_fetch_reads_each_segment_once_even_when_its_own_puts_evict_others():
+def test_a_fetch_reads_each_segment_once_even_when_its_own_puts_evict_others(tmp_path):
     """Segments memory held when a read-ahead batch was planned but lost to the fetch's own puts
     are read alone; the batch is not read again (found in review: 183 rows read for 64)."""
-    import tempfile
-
     from engine.cache.prefix_cache import layout_fingerprint
+    from store.tier import DiskTier
+
+    model = _small_qwen()
+    cfg = CacheConfig(block_size=16)
+    tier = DiskTier(tmp_path / "amp.db", layout_fingerprint(model, cfg))
+    cache = PrefixCache(model, cfg, lower=tier)
+    prompt = torch.randint(0, 263, (16 * 64,), generator=torch.Generator().manual_seed(3)).tolist()
+    Engine(model, cache=cache).start(prompt).finish()
+    mine = [n.key for n in cache.index.match(prompt).segments]
+    for j, key in enumerate(mine):  # every other segment held, and each the first to go
+        if j % 2 == 0:
+            cache.table.remove(key)
+        else:
+            cache.table.get(key).last_access_step = 0
+    cache.table.set_budget(cache.table.used)
+    asked = []
+    rows = tier._rows
+    tier._rows = lambda keys: asked.extend(keys) or rows(keys)
+    cache.lookup(prompt + [1, 2])
+    assert cache.metrics.lower_fetches == len(asked) == len(set(asked)) == 64
+    tier.close()
+
+
+def _small_qwen():
+    """A small random Qwen3.5-style model (GDN and attention layers) for fetch tests."""
     from engine.config import ModelConfig
     from engine.model.hybrid import HybridModel
     from engine.model.random_init import init_random, qwen3_5_text_dict
-    from store.tier import DiskTier
 
-    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))), 0)
-    cfg = CacheConfig(block_size=16)
-    with tempfile.TemporaryDirectory() as folder:
-        tier = DiskTier(f"{folder}/amp.db", layout_fingerprint(model, cfg))
-        cache = PrefixCache(model, cfg, lower=tier)
-        prompt = torch.randint(0, 263, (16 * 64,), generator=torch.Generator().manual_seed(3)).tolist()
-        Engine(model, cache=cache).start(prompt).finish()
-        mine = [n.key for n in cache.index.match(prompt).segments]
-        for j, key in enumerate(mine):  # every other segment held, and each the first to go
-            if j % 2 == 0:
-                cache.table.remove(key)
-            else:
-                cache.table.get(key).last_access_step = 0
-        cache.table.set_budget(cache.table.used)
-        asked = []
-        rows = tier._rows
-        tier._rows = lambda keys: asked.extend(keys) or rows(keys)
-        cache.lookup(prompt + [1, 2])
-        assert cache.metrics.lower_fetches == len(asked) == len(set(asked)) == 64
-        tier.close()
+    return init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))), 0)

@@ -189,6 +189,8 @@ class PrefixCache:
                     unread.discard(key)
                     if key == node.key:
                         break
+                else:  # never another key's result under this one: read it alone
+                    result = self.lower.load(node.key, deadline)
             elif unread:  # held when the batch was planned, evicted since by this fetch's own puts
                 result = self.lower.load(node.key, deadline)
             else:
