@@ -1,6 +1,6 @@
 """Triton kernels vs their torch references on CUDA, at the shapes of a Qwen3.5-9B / DeepSeek-V4
-layer, and the engine's prefill / decode tokens/s in bf16 with the kernels on and forced off
-(HCW_KERNELS=reference). Writes its section of docs/BENCHMARKS.md. Needs a GPU: run through
+layer, and the engine's prefill / decode tokens/s in bf16 with the kernels on (paged KV, and dense
+KV read by scaled_dot_product_attention) and forced off (HCW_KERNELS=reference). Writes its section of docs/BENCHMARKS.md. Needs a GPU: run through
 benchmarks/gpu_check.sh; `--quick` on CPU only checks the script runs (interpreter, tiny shapes,
 no timings written).
 
@@ -118,17 +118,21 @@ def engine_rows(lengths: tuple[int, ...]) -> list[str]:
     folder = write_random_model(Path(tempfile.mkdtemp()) / "q", qwen3_5_text_dict(hidden=1024, layers=16,
                                                                                   max_positions=65536))
     model = load_model(folder, dtype="bf16", device="cuda")
-    rows = ["| kernels | prompt | prefill tok/s | decode tok/s |", "|---|---:|---:|---:|"]
-    for label, mode in (("Triton", "auto"), ("reference", "reference")):
-        os.environ["HCW_KERNELS"] = mode
+    rows = ["| kernels | KV layout | prompt | prefill tok/s | decode tok/s |", "|---|---|---:|---:|---:|"]
+    # the engine's default on CUDA (Triton everywhere, paged KV), the same with full attention on
+    # scaled_dot_product_attention over one dense buffer, and the torch reference
+    for label, mode, layout in (("Triton", "auto", "paged"), ("Triton (GDN) + SDPA", "auto", "dense"),
+                                ("reference", "reference", "dense")):
+        os.environ["HCW_KERNELS"], os.environ["HCW_KV"] = mode, layout
         for n in lengths:
             ids = torch.randint(0, 263, (n,)).tolist()
             engine = Engine(model)
             prefill = _time(lambda: engine.start(ids), 1)
             state = engine.start(ids).state
             decode = _time(lambda: engine.decode(1, state), 32)
-            rows.append(f"| {label} | {n} | {n / prefill:.0f} | {1 / decode:.0f} |")
+            rows.append(f"| {label} | {layout} | {n} | {n / prefill:.0f} | {1 / decode:.0f} |")
     os.environ.pop("HCW_KERNELS", None)
+    os.environ.pop("HCW_KV", None)
     return rows
 
 

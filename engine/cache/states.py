@@ -4,13 +4,16 @@ The model's modules hold weights only; everything a layer remembers about a sequ
 of these objects, owned by the caller. That is what lets the cache layer snapshot, validate and
 rebuild each state on its own.
 
-    full_attention    KVState   exact keys/values for every position [0, length)
+    full_attention    KVState   exact keys/values for every position [0, length), one buffer
+                      PagedKVState  the same in fixed-size blocks of a pool, through a block table
+                                (the paged-attention kernels' layout; HCW_KV picks, see kv_layout)
     linear_attention  GDNState  conv window (last K-1 projected inputs) + recurrent matrix per head
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -151,6 +154,118 @@ class KVState:
         return KVState(k, v, seq_len)
 
 
+KV_LAYOUTS = ("auto", "dense", "paged")
+PAGE = 64  # positions per block of a paged KV state (a power of two: the Triton kernels tile by it)
+
+
+def kv_layout(device) -> str:
+    """How full-attention layers keep keys and values: HCW_KV=dense (one buffer per layer, read by
+    scaled_dot_product_attention), paged (a block pool and a block table, read by the paged-attention
+    kernels: Triton on CUDA, their torch reference elsewhere), or auto (unset): paged on CUDA, dense
+    elsewhere, where the reference's per-sequence gather costs more than one contiguous buffer."""
+    value = os.environ.get("HCW_KV", "auto") or "auto"
+    if value not in KV_LAYOUTS:
+        raise ValueError(f"HCW_KV={value!r}; one of {', '.join(KV_LAYOUTS)}")
+    if value == "auto":
+        return "paged" if torch.device(device).type == "cuda" else "dense"
+    return value
+
+
+@dataclass
+class PagedKVState:
+    """Keys and values of one full-attention layer in blocks of PAGE positions.
+
+    The pools are [N, Hkv, PAGE, D]; sequence b's j-th block is pool block j * B + b, so growing
+    the pool appends blocks and never moves a sequence's earlier ones, and the blocks of one
+    position range form one [B, ...] slab that a write fills with a single strided copy. `table`
+    ([B, M] int32) and `lengths` ([B] int32) are the kernels' view of the same thing. Everything the
+    cache sees (objects, export, assemble) is the same as KVState's: pieces are dense either way."""
+
+    k_pool: torch.Tensor  # [N, Hkv, PAGE, D], N = M * B
+    v_pool: torch.Tensor
+    table: torch.Tensor  # [B, M] int32
+    lengths: torch.Tensor  # [B] int32: positions held, the same for every sequence
+    length: int = 0
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 256) -> PagedKVState:
+        blocks = -(-capacity // PAGE)
+        pools = [torch.empty(blocks * batch, heads, PAGE, head_dim, dtype=dtype, device=device) for _ in range(2)]
+        return cls(*pools, _table(batch, blocks, device), torch.zeros(batch, dtype=torch.int32, device=device))
+
+    @property
+    def batch(self) -> int:
+        return self.table.shape[0]
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write [B, Hkv, T, D] at positions length..length+T-1 (the kernels then read them)."""
+        end = self.length + k_new.shape[2]
+        if end > self.table.shape[1] * PAGE:
+            self._grow(end)
+        b = self.batch
+        for pool, new in ((self.k_pool, k_new), (self.v_pool, v_new)):
+            slabs = pool.view(-1, b, *pool.shape[1:])  # [M, B, Hkv, PAGE, D]
+            at = self.length
+            while at < end:
+                j, lo = divmod(at, PAGE)
+                hi = min(PAGE, lo + end - at)
+                slabs[j, :, :, lo:hi] = new[:, :, at - self.length:at - self.length + hi - lo]
+                at += hi - lo
+        self.length = end
+        self.lengths.fill_(end)
+
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [0, end) as dense [B, Hkv, end, D] copies (a replay reads them)."""
+        if end > self.length:
+            raise IndexError(f"positions up to {end} asked of a KV state holding {self.length}")
+        return self._dense(0, end)
+
+    def _dense(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, first, last = self.batch, lo // PAGE, -(-hi // PAGE)
+        out = []
+        for pool in (self.k_pool, self.v_pool):
+            slabs = pool.view(-1, b, *pool.shape[1:])[first:last]  # [m, B, Hkv, PAGE, D]
+            run = slabs.permute(1, 2, 0, 3, 4).reshape(b, pool.shape[1], -1, pool.shape[3])
+            out.append(run[:, :, lo - first * PAGE:hi - first * PAGE].clone())
+        return out[0], out[1]
+
+    def _grow(self, needed: int) -> None:
+        blocks = max(-(-needed // PAGE), 2 * self.table.shape[1])
+        b = self.batch
+        for name in ("k_pool", "v_pool"):
+            old = getattr(self, name)
+            new = torch.empty(blocks * b, *old.shape[1:], dtype=old.dtype, device=old.device)
+            new[: old.shape[0]] = old  # block j * B + b keeps its id
+            setattr(self, name, new)
+        self.table = _table(b, blocks, self.table.device)
+
+    def nbytes(self) -> int:
+        per_pos = self.batch * self.k_pool.shape[1] * self.k_pool.shape[3] * self.k_pool.element_size()
+        return 2 * per_pos * self.length
+
+    def objects(self, layer: int, seq_len: int) -> list[StateObject]:
+        shape = (2, self.batch, self.k_pool.shape[1], self.length, self.k_pool.shape[3])
+        return [StateObject(layer, "kv", shape, True, (0, self.length), self.nbytes(), self.length)]
+
+    def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
+        return {"kv": Piece(True, self._dense(lo, hi))}
+
+    def assemble(self, seq_len: int, pieces: dict[str, object]) -> PagedKVState:
+        parts = pieces["kv"]
+        k = torch.cat([p[0] for p in parts], dim=2)
+        v = torch.cat([p[1] for p in parts], dim=2)
+        state = PagedKVState.empty(self.batch, self.k_pool.shape[1], self.k_pool.shape[3], self.k_pool.dtype,
+                                   self.k_pool.device, capacity=max(seq_len, 1))
+        state.append(k[:, :, :seq_len], v[:, :, :seq_len])
+        return state
+
+
+def _table(batch: int, blocks: int, device) -> torch.Tensor:
+    """[B, M] int32: sequence b's j-th block is pool block j * B + b."""
+    ids = torch.arange(blocks * batch, dtype=torch.int32, device=device)
+    return ids.view(blocks, batch).t().contiguous()
+
+
 STAT_STRIDE = 16  # tokens per cached decay statistic: Tail-Replay restarts at multiples of it
 
 
@@ -267,7 +382,7 @@ class GDNState:
 class ModelState:
     """All layer states of one sequence plus how many tokens they describe."""
 
-    layers: list[KVState | GDNState | V4AttnState]
+    layers: list[KVState | PagedKVState | GDNState | V4AttnState]
     seq_len: int = 0
     extra: dict = field(default_factory=dict)
 

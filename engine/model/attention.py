@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.states import KVState
+from engine.cache.states import KVState, PagedKVState, kv_layout
 from engine.config import ModelConfig
 from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
 from engine.model.norm import RMSNorm
 from engine.model.rope import Rotary
+from kernels.paged_attention import paged_decode, paged_prefill
 
 
 class GatedAttention(nn.Module):
@@ -31,10 +32,11 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, unit_offset=True)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
-    def new_state(self, batch: int, dtype, device) -> KVState:
-        return KVState.empty(batch, self.n_kv, self.head_dim, dtype, device)
+    def new_state(self, batch: int, dtype, device) -> KVState | PagedKVState:
+        kind = PagedKVState if kv_layout(device) == "paged" else KVState
+        return kind.empty(batch, self.n_kv, self.head_dim, dtype, device)
 
-    def forward(self, x: torch.Tensor, state: KVState | None, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: KVState | PagedKVState | None, start: int) -> torch.Tensor:
         b, t, _ = x.shape
         hd = self.head_dim
         qg, k, v = self.qkv_proj.forward_split(x)
@@ -44,11 +46,24 @@ class GatedAttention(nn.Module):
         v = v.reshape(b, t, self.n_kv, hd).transpose(1, 2)
         q = self.rotary.apply(q, start)
         k = self.rotary.apply(k, start)
-        if state is not None:
-            k, v = state.append(k, v) if state.length == start else state.read(start + t)
-        o = _causal_attention(q, k, v, start)  # [B, H, T, D]
+        if isinstance(state, PagedKVState) and state.length == start:
+            state.append(k, v)
+            o = _paged_attention(q, state)
+        else:
+            if state is not None:
+                k, v = state.append(k, v) if state.length == start else state.read(start + t)
+            o = _causal_attention(q, k, v, start)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
+
+
+def _paged_attention(q: torch.Tensor, state: PagedKVState) -> torch.Tensor:
+    """q [B, H, T, D] for the state's last T positions (just written), attending causally through
+    the block table: [B, H, T, D]."""
+    pools = (state.k_pool, state.v_pool, state.table, state.lengths)
+    if q.shape[2] == 1:
+        return paged_decode(q[:, :, 0].contiguous(), *pools).unsqueeze(2)
+    return paged_prefill(q.transpose(1, 2).contiguous(), *pools).transpose(1, 2)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""The paged KV layout (engine/cache/states.py PagedKVState): full attention's keys and values in
+blocks of a pool read through a block table by the paged-attention kernels. It must hold exactly
+what the dense buffer holds, give the same logits through the model (the torch reference on CPU,
+the Triton kernels through the interpreter), and look the same to the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.states import PAGE, KVState, PagedKVState, kv_layout
+from engine.config import ModelConfig
+from engine.engine import Engine, SamplingParams
+from engine.model.hybrid import HybridModel
+from engine.model.random_init import init_random, qwen3_5_text_dict
+
+
+def _filled(chunks, b=2, h=3, d=8):
+    """The same keys and values appended in `chunks` to a dense and a paged state."""
+    dense = KVState.empty(b, h, d, torch.float32, "cpu", capacity=4)
+    paged = PagedKVState.empty(b, h, d, torch.float32, "cpu", capacity=4)
+    g = torch.Generator().manual_seed(sum(chunks))
+    for n in chunks:
+        k, v = torch.randn(2, b, h, n, d, generator=g)
+        dense.append(k, v)
+        paged.append(k, v)
+    return dense, paged
+
+
+@pytest.mark.parametrize("chunks", [[1] * 70, [63, 1, 1, 70], [PAGE], [200, 3], [5, PAGE * 3 + 7, 1]])
+def test_a_paged_state_holds_what_the_dense_one_holds(chunks):
+    dense, paged = _filled(chunks)
+    n = sum(chunks)
+    assert paged.length == dense.length == n and paged.lengths.tolist() == [n, n]
+    for lo, hi in ((0, n), (0, 1), (n - 1, n), (PAGE - 3, min(n, PAGE + 5)), (n // 3, n // 2 + 1)):
+        if lo >= hi:
+            continue
+        got, want = paged.export(lo, hi)["kv"].data, dense.export(lo, hi)["kv"].data
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (lo, hi)
+    assert all(torch.equal(a, b) for a, b in zip(paged.read(n), dense.read(n)))
+    assert paged.nbytes() == dense.nbytes()
+    assert paged.objects(0, n) == dense.objects(0, n)
+    with pytest.raises(IndexError):
+        paged.read(n + 1)
+
+
+def test_the_block_table_names_each_sequences_blocks_in_order_and_survives_growth():
+    """Sequence b's j-th block is pool block j*B+b: the table says so, and a pool that grows keeps
+    every block where it was (the kernels are handed the table, not this rule)."""
+    _, paged = _filled([PAGE * 2 + 1])
+    blocks = paged.table.shape[1]
+    assert paged.table.dtype == torch.int32 and paged.k_pool.shape[0] == blocks * 2
+    for b in range(2):
+        for j in range(3):
+            block = int(paged.table[b, j])
+            want = paged.export(j * PAGE, min((j + 1) * PAGE, paged.length))["kv"].data[0][b]
+            assert torch.equal(paged.k_pool[block, :, : want.shape[1]], want)
+
+
+def test_assemble_rebuilds_a_paged_state_from_dense_pieces():
+    dense, paged = _filled([100])
+    pieces = [paged.export(lo, min(lo + 16, 100))["kv"].data for lo in range(0, 100, 16)]
+    rebuilt = paged.assemble(100, {"kv": pieces})
+    assert isinstance(rebuilt, PagedKVState) and rebuilt.length == 100
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.read(100), dense.read(100)))
+
+
+def test_kv_layout_is_dense_on_cpu_unless_asked_and_refuses_a_bad_value(monkeypatch):
+    monkeypatch.delenv("HCW_KV", raising=False)
+    assert kv_layout("cpu") == "dense" and kv_layout("cuda") == "paged"
+    monkeypatch.setenv("HCW_KV", "paged")
+    assert kv_layout("cpu") == "paged"
+    monkeypatch.setenv("HCW_KV", "pagd")
+    with pytest.raises(ValueError, match="HCW_KV"):
+        kv_layout("cpu")
+
+
+def _qwen(hidden=64, layers=4):
+    return init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=hidden, layers=layers))), 0).eval()
+
+
+def _run(model, ids, split):
+    """Chunked prefill to `split`, then one token at a time: every position's logits."""
+    state = model.new_state()
+    steps = [model(ids[:, :split], state)] + [model(ids[:, i:i + 1], state) for i in range(split, ids.shape[1])]
+    return torch.cat(steps, dim=1), state
+
+
+def test_a_qwen_model_gives_the_same_logits_with_paged_kv(monkeypatch):
+    """Prefill chunks and decode steps that cross block boundaries (PAGE = 64): the paged layout
+    through the torch reference gives the dense layout's logits."""
+    model = _qwen()
+    ids = torch.randint(0, 263, (1, 140), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        monkeypatch.setenv("HCW_KV", "dense")
+        expected, dense_state = _run(model, ids, 60)
+        monkeypatch.setenv("HCW_KV", "paged")
+        got, paged_state = _run(model, ids, 60)
+    assert any(isinstance(s, PagedKVState) for s in paged_state.layers)
+    assert not any(isinstance(s, PagedKVState) for s in dense_state.layers)
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_paged_kv_with_the_triton_kernels_forced_gives_the_same_logits(monkeypatch):
+    """The engine's paged path with Triton forced (the interpreter on CPU): prefill kernel for the
+    chunk, decode kernel for the steps, across a block boundary."""
+    model = _qwen(hidden=32, layers=4)
+    ids = torch.randint(0, 263, (1, 68), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        monkeypatch.setenv("HCW_KV", "dense")
+        expected, _ = _run(model, ids, 62)
+        monkeypatch.setenv("HCW_KV", "paged")
+        monkeypatch.setenv("HCW_KERNELS", "triton")
+        got, _ = _run(model, ids, 62)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_prefix_cache_hits_with_paged_kv_are_exact(monkeypatch):
+    """Segments exported from paged states and assembled back into them: each turn's hit gives a
+    cold prefill's logits, and generation continues from it."""
+    monkeypatch.setenv("HCW_KV", "paged")
+    model = _qwen()
+    engine = Engine(model, cache=PrefixCache(model, CacheConfig(block_size=16, checkpoint_every=1)))
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 263, (90,), generator=g).tolist()
+    with torch.no_grad():
+        gen = engine.generate(prompt, SamplingParams(max_new_tokens=8, greedy=True))
+        follow = prompt + gen.token_ids + torch.randint(0, 263, (20,), generator=g).tolist()
+        run = engine.start(follow)
+        cold = Engine(model).start(follow)
+    assert run.plan.usable_tokens >= 80 and run.plan.exact
+    assert any(isinstance(s, PagedKVState) for s in run.state.layers)
+    assert (run.logits - cold.logits).abs().max().item() <= 1e-4
