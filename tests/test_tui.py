@@ -14,7 +14,7 @@ from engine.model.random_init import hcw_hybrid_dict, write_random_model
 from workbench.session import ChatOptions, ChatSession
 from workbench.tui.app import ChatApp
 from workbench.tui.branches import BranchTree
-from workbench.tui.conversation import MessageView
+from workbench.tui.conversation import ConversationView, MessageView
 from workbench.tui.segments import SegmentTable
 from workbench.tui.stats import StatsBar
 from workbench.tui.validation import ValidationPanel
@@ -157,6 +157,63 @@ def test_typing_works_while_an_answer_streams(model_dir, tmp_path):
             partial = {n for n in shown if 0 < n < len(app.last.text)}
             assert len(partial) >= 2  # several partial answers were on screen before the end
             assert app.query(MessageView)[-1].source == app.last.text
+    asyncio.run(scenario())
+
+
+def test_a_turn_keeps_the_views_of_earlier_messages_and_the_pane_follows_the_answer(model_dir, tmp_path):
+    """After a turn only the new messages are mounted (remounting every message re-parsed and re-laid
+    out the whole conversation after each answer: ~1 s for 60 messages); a branch switch keeps the
+    views up to the fork. A long answer streaming into a short pane keeps its end in view, unless
+    the user has scrolled up to read."""
+    db = tmp_path / "f.db"
+
+    async def scenario():
+        app = _app(model_dir, db)
+        async with app.run_test(size=(160, 30)) as pilot:
+            await _say(app, pilot, FACT)
+            first = list(app.query(MessageView))
+            await _say(app, pilot, "What is the code for Mira?")
+            second = list(app.query(MessageView))
+            assert len(second) == 5 and all(a is b for a, b in zip(first, second))
+            assert [v.source for v in second] == [m.content for m in app.session.path()]
+
+            pane = app.query_one(ConversationView)
+            app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=400,
+                                           ignore_eos=True)
+            app.query_one("#prompt").value = "Tell me more."
+            await pilot.press("enter")
+            followed = []
+            while app.busy:
+                await pilot.pause(0.05)
+                followed.append((pane.max_scroll_y, pane.scroll_y))
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert pane.max_scroll_y > 0 and pane.scroll_y == pane.max_scroll_y
+            assert sum(m > 0 and y == m for m, y in followed) >= 2  # at the end while it grew
+
+            app.query_one("#prompt").value = "And more."
+            await pilot.press("enter")
+            while app.busy and pane.scroll_y < 5:
+                await pilot.pause(0.02)
+            pane.scroll_home(animate=False, immediate=True)  # the user scrolls up to read
+            reading = []
+            while app.busy:
+                await pilot.pause(0.05)
+                reading.append(pane.scroll_y)
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert reading and set(reading) == {0} and pane.scroll_y == 0  # not pulled down while reading
+            kept = list(app.query(MessageView))[:5]
+            assert all(a is b for a, b in zip(kept, second))
+
+            app.run_command("/branch side")  # a fork at the last message, then a switch back
+            await pilot.pause()
+            app.run_command("/switch main")
+            await pilot.pause()
+            await pilot.pause()
+            views = list(app.query(MessageView))
+            assert all(a is b for a, b in zip(views[:5], second))
+            assert [v.source for v in views] == [m.content for m in app.session.path()]
     asyncio.run(scenario())
 
 

@@ -23,14 +23,38 @@ class MessageView(Markdown):
 
     def __init__(self, markdown: str, classes: str):
         super().__init__(markdown, classes=classes, parser_factory=_parser)
+        self._height = 0
+
+    def on_resize(self, event) -> None:
+        """The last message grew (an answer streaming in, or laid out after the pane scrolled): a
+        pane that was at its end follows it; one the user has scrolled up stays where it is."""
+        grown, self._height = event.size.height - self._height, event.size.height
+        pane = self.parent
+        if grown > 0 and isinstance(pane, ConversationView) and pane.children[-1] is self \
+                and pane.scroll_y >= pane.max_scroll_y - grown - 1:
+            pane.scroll_end(animate=False, immediate=True)
 
 
 class ConversationView(VerticalScroll):
     def show(self, messages: list[Message]) -> None:
-        self.remove_children()
-        for i, m in enumerate(messages):
-            self.mount(self._view(i, m.role, m.content))
-        self.scroll_end(animate=False)
+        """Display `messages`, keeping the views of the leading ones already shown as they are
+        (after a turn, everything but the new messages; after a branch switch, everything up to the
+        fork): remounting every message re-parses and re-lays out all of them, ~15 ms each, which in
+        a long conversation froze the screen for a second after every answer."""
+        views = list(self.query_children(MessageView))
+        keep = 0
+        for view, m in zip(views, messages):
+            if view.role != m.role or view.source != m.content:
+                break
+            keep += 1
+        for view in views[keep:]:
+            view.remove()
+        if keep < len(messages):
+            self.mount_all([self._view(i, m.role, m.content) for i, m in enumerate(messages) if i >= keep])
+        # to the end after a switch or an edit; after a turn (the last view at most re-made) only
+        # if the pane was following it, not while the user reads further up
+        if keep < len(views) - 1 or self.scroll_y >= self.max_scroll_y - 1:
+            self.scroll_end(animate=False)
 
     def add(self, index: int, role: str, text: str) -> MessageView:
         view = self._view(index, role, text)
@@ -41,5 +65,6 @@ class ConversationView(VerticalScroll):
     @staticmethod
     def _view(index: int, role: str, text: str) -> MessageView:
         view = MessageView(text, classes=role)
+        view.role = role
         view.border_title = f"{index} · {role}"
         return view
