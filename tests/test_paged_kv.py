@@ -58,12 +58,20 @@ def test_the_block_table_names_each_sequences_blocks_in_order_and_survives_growt
             assert torch.equal(paged.k_pool[block, :, : want.shape[1]], want)
 
 
-def test_assemble_rebuilds_a_paged_state_from_dense_pieces():
-    dense, paged = _filled([100])
-    pieces = [paged.export(lo, min(lo + 16, 100))["kv"].data for lo in range(0, 100, 16)]
-    rebuilt = paged.assemble(100, {"kv": pieces})
-    assert isinstance(rebuilt, PagedKVState) and rebuilt.length == 100
-    assert all(torch.equal(a, b) for a, b in zip(rebuilt.read(100), dense.read(100)))
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("n", [100, PAGE, 2 * PAGE + 1])
+def test_assemble_and_export_move_whole_blocks_through_the_segment_kernels(monkeypatch, kernels, n):
+    """Segments arrive (assemble: one scatter of whole blocks) and leave (export: one gather, then
+    cut) through kernels.segments: the torch reference, or Triton (the interpreter on CPU)."""
+    dense, paged = _filled([n])
+    monkeypatch.setenv("HCW_KERNELS", kernels)
+    pieces = [paged.export(lo, min(lo + 16, n))["kv"].data for lo in range(0, n, 16)]
+    rebuilt = paged.assemble(n - 1, {"kv": pieces})  # the pieces may run past seq_len
+    assert isinstance(rebuilt, PagedKVState) and rebuilt.length == n - 1 and rebuilt.lengths.tolist() == [n - 1] * 2
+    assert all(torch.equal(a, b[:, :, :n - 1]) for a, b in zip(rebuilt.read(n - 1), dense.read(n)))
+    got = rebuilt.export(PAGE // 2, n - 1)["kv"].data
+    assert all(torch.equal(a, b) for a, b in zip(got, dense.export(PAGE // 2, n - 1)["kv"].data))
+    assert all(t.is_contiguous() or t.shape[2] == n - 1 - PAGE // 2 for t in got)
 
 
 def test_kv_layout_is_dense_on_cpu_unless_asked_and_refuses_a_bad_value(monkeypatch):
@@ -116,10 +124,12 @@ def test_paged_kv_with_the_triton_kernels_forced_gives_the_same_logits(monkeypat
     assert (got - expected).abs().max().item() <= 1e-4
 
 
-def test_prefix_cache_hits_with_paged_kv_are_exact(monkeypatch):
-    """Segments exported from paged states and assembled back into them: each turn's hit gives a
-    cold prefill's logits, and generation continues from it."""
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_prefix_cache_hits_with_paged_kv_are_exact(monkeypatch, kernels):
+    """Segments exported from paged states and assembled back into them (through the segment
+    kernels): each turn's hit gives a cold prefill's logits, and generation continues from it."""
     monkeypatch.setenv("HCW_KV", "paged")
+    monkeypatch.setenv("HCW_KERNELS", kernels)
     model = _qwen()
     engine = Engine(model, cache=PrefixCache(model, CacheConfig(block_size=16, checkpoint_every=1)))
     g = torch.Generator().manual_seed(1)

@@ -221,12 +221,18 @@ class PagedKVState:
         return self._dense(0, end)
 
     def _dense(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [lo, hi) as [B, Hkv, hi-lo, D] tensors of their own: the blocks they lie in
+        gathered out of the pool (kernels.segments.gather: Triton on CUDA), then cut to the range."""
+        from kernels.segments import gather
+
         b, first, last = self.batch, lo // PAGE, -(-hi // PAGE)
+        ids = self.table[:, first:last].flatten().clone()  # b's blocks in order, aligned (kernels check)
         out = []
         for pool in (self.k_pool, self.v_pool):
-            slabs = pool.view(-1, b, *pool.shape[1:])[first:last]  # [m, B, Hkv, PAGE, D]
-            run = slabs.permute(1, 2, 0, 3, 4).reshape(b, pool.shape[1], -1, pool.shape[3])
-            out.append(run[:, :, lo - first * PAGE:hi - first * PAGE].clone())
+            blocks = gather(pool, ids).view(b, last - first, *pool.shape[1:])  # [B, m, Hkv, PAGE, D]
+            run = blocks.transpose(1, 2).reshape(b, pool.shape[1], -1, pool.shape[3])
+            cut = run[:, :, lo - first * PAGE:hi - first * PAGE]
+            out.append(cut if cut.shape[2] == run.shape[2] else cut.clone())  # no view pinning the rest
         return out[0], out[1]
 
     def _grow(self, needed: int) -> None:
@@ -251,12 +257,22 @@ class PagedKVState:
         return {"kv": Piece(True, self._dense(lo, hi))}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> PagedKVState:
-        parts = pieces["kv"]
-        k = torch.cat([p[0] for p in parts], dim=2)
-        v = torch.cat([p[1] for p in parts], dim=2)
-        state = PagedKVState.empty(self.batch, self.k_pool.shape[1], self.k_pool.shape[3], self.k_pool.dtype,
-                                   self.k_pool.device, capacity=max(seq_len, 1))
-        state.append(k[:, :, :seq_len], v[:, :, :seq_len])
+        """A state holding the pieces' first seq_len positions, written into its pool's blocks at
+        once (kernels.segments.scatter: Triton on CUDA)."""
+        from kernels.segments import scatter
+
+        b, heads, d = self.batch, self.k_pool.shape[1], self.k_pool.shape[3]
+        state = PagedKVState.empty(b, heads, d, self.k_pool.dtype, self.k_pool.device, capacity=max(seq_len, 1))
+        m = -(-seq_len // PAGE)
+        ids = state.table[:, :m].flatten().clone()
+        for pool, i in ((state.k_pool, 0), (state.v_pool, 1)):
+            run = torch.cat([p[i] for p in pieces["kv"]], dim=2)[:, :, :seq_len]
+            if seq_len % PAGE:  # the last block's unused positions: never read (lengths stops before them)
+                run = torch.cat([run, run.new_zeros(b, heads, m * PAGE - seq_len, d)], dim=2)
+            blocks = run.reshape(b, heads, m, PAGE, d).transpose(1, 2).reshape(b * m, heads, PAGE, d)
+            scatter(pool, ids, blocks)
+        state.length = seq_len
+        state.lengths.fill_(seq_len)
         return state
 
 
