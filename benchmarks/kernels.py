@@ -119,11 +119,13 @@ def engine_rows(lengths: tuple[int, ...]) -> list[str]:
                                                                                   max_positions=65536))
     model = load_model(folder, dtype="bf16", device="cuda")
     rows = ["| kernels | KV layout | prompt | prefill tok/s | decode tok/s |", "|---|---|---:|---:|---:|"]
-    # the engine's default on CUDA (Triton everywhere, paged KV), the same with full attention on
-    # scaled_dot_product_attention over one dense buffer, and the torch reference
-    for label, mode, layout in (("Triton", "auto", "paged"), ("Triton (GDN) + SDPA", "auto", "dense"),
-                                ("reference", "reference", "dense")):
-        os.environ["HCW_KERNELS"], os.environ["HCW_KV"] = mode, layout
+    # decode captured as a CUDA graph (HCW_STATIC=1), the engine's default on CUDA (Triton everywhere,
+    # paged KV), the same with full attention on scaled_dot_product_attention over one dense
+    # buffer, and the torch reference
+    for label, mode, layout, static in (("Triton + CUDA graph", "auto", "paged", "1"), ("Triton", "auto", "paged", "0"),
+                                        ("Triton (GDN) + SDPA", "auto", "dense", "0"),
+                                        ("reference", "reference", "dense", "0")):
+        os.environ["HCW_KERNELS"], os.environ["HCW_KV"], os.environ["HCW_STATIC"] = mode, layout, static
         for n in lengths:
             ids = torch.randint(0, 263, (n,)).tolist()
             engine = Engine(model)
@@ -131,8 +133,8 @@ def engine_rows(lengths: tuple[int, ...]) -> list[str]:
             state = engine.start(ids).state
             decode = _time(lambda: engine.decode(1, state), 32)
             rows.append(f"| {label} | {layout} | {n} | {n / prefill:.0f} | {1 / decode:.0f} |")
-    os.environ.pop("HCW_KERNELS", None)
-    os.environ.pop("HCW_KV", None)
+    for name in ("HCW_KERNELS", "HCW_KV", "HCW_STATIC"):
+        os.environ.pop(name, None)
     return rows
 
 

@@ -18,6 +18,7 @@ from engine.cache.validation import ReusePlan
 from engine.cache.states import ModelState
 from engine.config import EngineConfig
 from engine.model.hybrid import HybridModel
+from engine.static_decode import StaticDecoder, StaticUnsupported, static_enabled
 
 
 class PromptError(ValueError):
@@ -142,8 +143,25 @@ class Engine:
 
     @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:
+        decoder = self._static_decoder(state) if static_enabled() else None
+        if decoder is not None:
+            return decoder.step(token)[0]
         tokens = torch.tensor([[token]], dtype=torch.long, device=self.model.device)
         return self.model(tokens, state)[0, -1]
+
+    def _static_decoder(self, state: ModelState) -> StaticDecoder | None:
+        """The state's static decoder (engine/static_decode.py), made or re-made when it cannot take
+        the next step; None for a model it does not cover (decoded as usual, and not asked again)."""
+        decoder = state.extra.get("static")
+        if decoder is False:
+            return None
+        if decoder is None or not decoder.fits(state):
+            try:
+                decoder = StaticDecoder(self.model, state)
+            except StaticUnsupported:
+                decoder = False
+            state.extra["static"] = decoder
+        return decoder or None
 
     def start(self, prompt_ids: Sequence[int], state: ModelState | None = None) -> Started:
         """Check the prompt, reuse what the cache can prove usable, prefill the rest."""

@@ -186,6 +186,7 @@ class PagedKVState:
     table: torch.Tensor  # [B, M] int32
     lengths: torch.Tensor  # [B] int32: positions held, the same for every sequence
     length: int = 0
+    at: torch.Tensor | None = None  # static decode (engine/static_decode.py): the new token's position, [1] long
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 256) -> PagedKVState:
@@ -213,6 +214,20 @@ class PagedKVState:
                 at += hi - lo
         self.length = end
         self.lengths.fill_(end)
+
+    def write_at(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Static decode: [B, Hkv, 1, D] written at the position `at` holds and `lengths` set past
+        it, all in tensors (the caller keeps `length` and has made sure the block exists)."""
+        block = self.table.index_select(1, torch.div(self.at, PAGE, rounding_mode="floor"))[:, 0].long()  # [B]
+        offset = self.at % PAGE
+        self.k_pool[block, :, offset] = k_new[:, :, 0]
+        self.v_pool[block, :, offset] = v_new[:, :, 0]
+        self.lengths.copy_(self.at + 1)
+
+    def reserve(self, end: int) -> None:
+        """Blocks through position end-1 now (static decode must never grow the pools)."""
+        if end > self.table.shape[1] * PAGE:
+            self._grow(end)
 
     def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, end) as dense [B, Hkv, end, D] copies (a replay reads them)."""
@@ -302,6 +317,10 @@ class GDNState:
     stats_end: int = 0
     norm: torch.Tensor = None  # [B, Hv] float64: N at stats_end
     tracking: bool = False  # only a state the prefix cache records keeps statistics
+    # static decode (engine/static_decode.py): conv and recurrent are updated in place, and a step's
+    # statistics go to `step` ([B, Hv, 2]) for the decoder to `commit_step` outside the captured step
+    static: bool = False
+    step: torch.Tensor = None
 
     def __post_init__(self) -> None:
         b, heads = self.recurrent.shape[:2]
@@ -318,7 +337,15 @@ class GDNState:
     def record(self, start: int, g: torch.Tensor, x: torch.Tensor) -> None:
         """Append the statistics of positions start.. (g: log-decay, x: beta * |v|, [B, T, Hv])
         when they continue the recorded ones; a replay of earlier positions records nothing."""
-        if not self.tracking or start != self.stats_end:
+        if not self.tracking:
+            return
+        if self.static:  # one token, tensors only: n = e^g N + x, kept in `norm` and `step`
+            n = (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()) * (1 + 1e-6)
+            self.norm.copy_(n)
+            self.step[..., 0].copy_(g[:, 0])
+            self.step[..., 1].copy_(n)
+            return
+        if start != self.stats_end:
             return
         if g.shape[1] == 1:  # decode: the recurrence itself, three small ops
             n = (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()).unsqueeze(1) * (1 + 1e-6)
@@ -340,6 +367,19 @@ class GDNState:
         self.stats[:, used:need, :, 1] = n.float()
         self.norm = n[:, -1]
         self.stats_end += g.shape[1]
+
+    def commit_step(self) -> None:
+        """After a static decode step: its statistics (in `step`) appended as record() would."""
+        if not self.tracking:
+            return
+        used = self.stats_end - self.stats_start
+        if used + 1 > self.stats.shape[1]:
+            grown = self.stats.new_zeros(self.stats.shape[0], max(used + 1, 2 * self.stats.shape[1], 256),
+                                         *self.stats.shape[2:])
+            grown[:, :used] = self.stats[:, :used]
+            self.stats = grown
+        self.stats[:, used] = self.step
+        self.stats_end += 1
 
     def resume_stats(self, seq_len: int, decay_pieces: list[torch.Tensor] | None) -> None:
         """Continue the statistics at seq_len from the segments' recorded ones (after assembly);

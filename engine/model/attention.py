@@ -44,15 +44,19 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(k.reshape(b, t, self.n_kv, hd)).transpose(1, 2)
         v = v.reshape(b, t, self.n_kv, hd).transpose(1, 2)
-        q = self.rotary.apply(q, start)
-        k = self.rotary.apply(k, start)
-        if isinstance(state, PagedKVState) and state.length == start:
-            state.append(k, v)
+        if isinstance(state, PagedKVState) and state.at is not None:  # a static decode step: tensor positions
+            q, k = self.rotary.apply_at(q, state.at), self.rotary.apply_at(k, state.at)
+            state.write_at(k, v)
             o = _paged_attention(q, state)
         else:
-            if state is not None:
-                k, v = state.append(k, v) if state.length == start else state.read(start + t)
-            o = _causal_attention(q, k, v, start)  # [B, H, T, D]
+            q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
+            if isinstance(state, PagedKVState) and state.length == start:
+                state.append(k, v)
+                o = _paged_attention(q, state)
+            else:
+                if state is not None:
+                    k, v = state.append(k, v) if state.length == start else state.read(start + t)
+                o = _causal_attention(q, k, v, start)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
 

@@ -66,7 +66,10 @@ class GatedDeltaNet(nn.Module):
         else:
             o, final = chunk_gated_delta(q, k, v, g, beta, initial)
         if state is not None:
-            state.recurrent = final
+            if state.static:  # its buffers stay where a captured step reads and writes them
+                state.recurrent.copy_(final)
+            else:
+                state.recurrent = final
         o = self.norm(o, z.reshape(b, t, self.n_v, self.dv)).reshape(b, t, -1)
         return self.out_proj(o)
 
@@ -80,7 +83,10 @@ class GatedDeltaNet(nn.Module):
         if t == 1 and state is not None:
             # decode: K products per channel, in the channel-major layout the state keeps
             full = torch.cat([as_dtype(state.conv, mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # [B, C, K]
-            state.conv = full[:, :, 1:]
+            if state.static:
+                state.conv.copy_(full[:, :, 1:])
+            else:
+                state.conv = full[:, :, 1:]
             return F.silu((full * self.conv1d.weight[:, 0]).sum(-1)).unsqueeze(1)
         if state is None:
             history = mixed.new_zeros(b, k - 1, self.conv_dim)

@@ -44,6 +44,20 @@ class Rotary:
                 held = self._tables[key] = (cos.to(dtype), sin.to(dtype), partner)
         return held
 
+    def reserve(self, end: int, head_dim: int, dtype, device) -> None:
+        """Build the tables through position end-1 now (static decode must never grow them)."""
+        if self.rotary_dim:
+            self._table(end, head_dim, dtype, device)
+
+    def apply_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, D] at the positions a [T] long tensor holds, from tables `reserve` built:
+        no Python int decides anything, so a static decode step can be captured."""
+        if self.rotary_dim == 0:
+            return x
+        cos, sin, partner = self._tables[(x.shape[-1], x.dtype, x.device)]
+        return torch.addcmul(x * cos.index_select(0, positions), x.index_select(-1, partner),
+                             sin.index_select(0, positions))
+
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x [B, H, T, D] for positions start..start+T-1."""
         if self.rotary_dim == 0:

@@ -1,0 +1,167 @@
+"""Static decode: one token per step through buffers that never move, so that on CUDA the whole
+step is captured once as a CUDA graph and then replayed (one launch instead of hundreds).
+
+What makes a step static: positions are tensors (`PagedKVState.at`, `Rotary.apply_at`), keys and
+values go into a paged pool reserved ahead (`PagedKVState.reserve`), GDN states are updated in
+place (`GDNState.static`) and a step's GDN statistics go to a fixed buffer that the decoder appends
+after the step (`GDNState.commit_step`). The Python bookkeeping (seq_len, lengths) happens around
+the step, never inside it: a replayed graph runs no Python.
+
+The topology guard (engine/cache/rules.py) is frozen at capture with the fingerprint of every
+buffer the step reads or writes (address, shape, dtype) and the statistics switch; every step
+checks it first, and a change (a prefill that grew a pool or replaced a GDN state, a turn that
+stopped recording statistics) means run uncaptured and capture again, never a replay over other
+memory.
+
+On CPU nothing is captured: the same static step runs eagerly, which is how the tests compare it
+with the ordinary decode. `HCW_STATIC=1` turns it on in `Engine.decode`; off by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import weakref
+
+import torch
+
+from engine.cache.rules import TopologyGuard
+from engine.cache.states import PAGE, GDNState, KVState, ModelState, PagedKVState
+
+WARMUP = 2  # uncaptured steps before a capture: kernels compiled, workspaces and the allocator settled
+
+
+class StaticUnsupported(Exception):
+    """A model or state the static step does not cover (the engine then decodes as usual)."""
+
+
+def static_enabled() -> bool:
+    value = os.environ.get("HCW_STATIC", "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"HCW_STATIC={value!r}; 0 or 1")
+    return value == "1"
+
+
+class StaticDecoder:
+    """Decodes one token per `step` for one ModelState, which it owns the buffers of from then on."""
+
+    def __init__(self, model, state: ModelState, capacity: int | None = None):
+        from engine.model.attention import GatedAttention
+        from engine.model.gdn import GatedDeltaNet
+
+        if getattr(model, "hc_head", None) is not None:
+            raise StaticUnsupported("hyper-connected blocks")
+        mixers = [blk.mixer for blk in model.layers]
+        if not all(isinstance(m, (GatedAttention, GatedDeltaNet)) for m in mixers):
+            kinds = sorted({m.kind for m in mixers if not isinstance(m, (GatedAttention, GatedDeltaNet))})
+            raise StaticUnsupported(f"layer kinds {', '.join(kinds)}")
+        self.model = model
+        self._state = weakref.ref(state)  # the state holds its decoder (state.extra), not the reverse
+        need = state.seq_len + 1
+        self.capacity = capacity or -(-max(2 * need, need + 1024) // PAGE) * PAGE
+        if self.capacity < need:
+            raise ValueError(f"capacity {self.capacity} < {need} positions")
+        device, dtype = model.device, model.dtype
+        batch = next((layer.table.shape[0] if isinstance(layer, PagedKVState) else layer.recurrent.shape[0]
+                      for layer in state.layers if isinstance(layer, (KVState, PagedKVState, GDNState))), 1)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        for i, (mixer, layer) in enumerate(zip(mixers, state.layers)):
+            if isinstance(mixer, GatedAttention):
+                if isinstance(layer, KVState):  # the dense buffer moves into a pool of its own
+                    paged = PagedKVState.empty(batch, mixer.n_kv, mixer.head_dim, dtype, device, self.capacity)
+                    paged.append(*layer.read(layer.length))
+                    layer = state.layers[i] = paged
+                layer.reserve(self.capacity)
+                mixer.rotary.reserve(self.capacity, mixer.head_dim, dtype, device)
+            else:  # its own copies: updated in place from now on, never a tensor the cache also holds
+                layer.recurrent = layer.recurrent.clone()
+                layer.conv = layer.conv.clone()
+                layer.norm = layer.norm.clone()
+                layer.step = torch.zeros(batch, layer.recurrent.shape[1], 2, dtype=torch.float32, device=device)
+        self.guard = TopologyGuard()
+        self.graph = None
+        self.out: torch.Tensor | None = None
+        self.uncaptured = 0  # steps run since the last capture was dropped (or since the start)
+        self.captures = 0
+
+    @property
+    def state(self) -> ModelState:
+        state = self._state()
+        if state is None:
+            raise RuntimeError("the decoder's state is gone")
+        return state
+
+    def fits(self, state: ModelState) -> bool:
+        """Whether the next step of `state` can be this decoder's."""
+        return state is self._state() and state.seq_len < self.capacity
+
+    def fingerprint(self) -> bytes:
+        """Every buffer the step touches (address, shape, dtype), and whether it records statistics."""
+        h = hashlib.sha256()
+        tensors = [self.token, self.pos]
+        for layer in self.state.layers:
+            if isinstance(layer, PagedKVState):
+                tensors += [layer.k_pool, layer.v_pool, layer.table, layer.lengths]
+            elif isinstance(layer, GDNState):
+                tensors += [layer.conv, layer.recurrent, layer.norm, layer.step]
+                h.update(b"T" if layer.tracking else b"F")
+            else:
+                h.update(type(layer).__name__.encode())  # a layer state the step does not expect
+        for t in tensors:
+            h.update(f"{t.data_ptr()}:{tuple(t.shape)}:{tuple(t.stride())}:{t.dtype}".encode())
+        return h.digest()
+
+    def step(self, token: int) -> torch.Tensor:
+        """Logits [B, vocab] for `token` at position state.seq_len; the state advances by one."""
+        state = self.state
+        if state.seq_len >= self.capacity:
+            raise IndexError(f"position {state.seq_len} is past the decoder's capacity {self.capacity}")
+        self.token.fill_(token)
+        self.pos.fill_(state.seq_len)
+        if self.graph is not None and not self.guard.check(self.fingerprint()):
+            self.graph, self.uncaptured = None, 0  # the buffers moved: capture again after a warm-up
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.token.is_cuda and self.uncaptured >= WARMUP:
+            self._capture()
+        else:
+            self.out = self._run()
+            self.uncaptured += 1
+        state.seq_len += 1
+        for layer in state.layers:
+            if isinstance(layer, PagedKVState):
+                layer.length += 1
+            elif isinstance(layer, GDNState):
+                layer.commit_step()
+        return self.out[:, -1].clone()  # the graph's output is overwritten by the next replay
+
+    def _run(self) -> torch.Tensor:
+        """The step itself: tensor positions and in-place states only (what the graph records)."""
+        for layer in self.state.layers:
+            if isinstance(layer, PagedKVState):
+                layer.at = self.pos
+            elif isinstance(layer, GDNState):
+                layer.static = True
+        try:
+            m = self.model
+            x = m.embed_tokens(self.token)
+            for blk, layer in zip(m.layers, self.state.layers):
+                x = blk(x, layer, -1, self.token)  # (the start argument is unused on the static path)
+            return m.lm_head(m.norm(x))
+        finally:
+            for layer in self.state.layers:
+                if isinstance(layer, PagedKVState):
+                    layer.at = None
+                elif isinstance(layer, GDNState):
+                    layer.static = False
+
+    def _capture(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self._run()
+        self.guard = TopologyGuard()
+        self.guard.freeze(self.fingerprint())
+        self.graph = graph
+        self.captures += 1
+        graph.replay()  # capturing records the step without running it
