@@ -84,7 +84,7 @@ def test_kv_layout_is_dense_on_cpu_unless_asked_and_refuses_a_bad_value(monkeypa
         kv_layout("cpu")
 
 
-def _qwen(hidden=64, layers=4):
+def _qwen(hidden=128, layers=4):  # 2 query heads over 1 key-value head: GQA
     return init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=hidden, layers=layers))), 0).eval()
 
 
@@ -142,3 +142,47 @@ def test_prefix_cache_hits_with_paged_kv_are_exact(monkeypatch, kernels):
     assert run.plan.usable_tokens >= 80 and run.plan.exact
     assert any(isinstance(s, PagedKVState) for s in run.state.layers)
     assert (run.logits - cold.logits).abs().max().item() <= 1e-4
+
+
+def test_a_replay_over_a_paged_state_reads_its_keys_in_place_and_writes_nothing(monkeypatch):
+    """Tail-Replay runs positions the state already holds: full attention reads the cached keys
+    through the table as far as the chunk (no dense copy of the prefix), the same logits as the
+    dense layout's replay, and the pool unchanged."""
+    model = _qwen()
+    ids = torch.randint(0, 263, (1, 150), generator=torch.Generator().manual_seed(8))
+    out = {}
+    with torch.no_grad():
+        for layout in ("dense", "paged"):
+            monkeypatch.setenv("HCW_KV", layout)
+            state = model.new_state()
+            model(ids, state)
+            kv = [i for i, s in enumerate(state.layers) if hasattr(s, "read")]
+            before = [state.layers[i].read(150) for i in kv]
+            replayed = model(ids[:, 70:130], state, replay_from=70)
+            assert state.seq_len == 150
+            assert all(torch.equal(a, b) for i, old in zip(kv, before) for a, b in zip(state.layers[i].read(150), old))
+            out[layout] = replayed
+    assert (out["paged"] - out["dense"]).abs().max().item() <= 1e-5
+
+
+def test_the_engine_trusts_the_table_it_built_and_direct_calls_are_still_checked(monkeypatch):
+    """Checking a table's values reads them back from the device (a sync per layer per step on a
+    GPU): the engine's paged path skips it, a direct call of the kernel does not."""
+    import kernels.paged_attention.triton_decode as paged
+
+    def refuse(*args):
+        raise AssertionError("the table's values were read back")
+
+    model = _qwen(hidden=128, layers=4)
+    ids = torch.randint(0, 263, (1, 66), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setenv("HCW_KV", "paged")
+    monkeypatch.setenv("HCW_KERNELS", "triton")
+    monkeypatch.setattr(paged, "_check_table", refuse)
+    with torch.no_grad():
+        state = model.new_state()
+        model(ids[:, :64], state)
+        model(ids[:, 64:66], state)
+        layer = next(s for s in state.layers if isinstance(s, PagedKVState))
+        q = torch.randn(1, 2, layer.k_pool.shape[3])
+        with pytest.raises(AssertionError, match="read back"):
+            paged.paged_decode(q, layer.k_pool, layer.v_pool, layer.table, layer.lengths)

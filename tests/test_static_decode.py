@@ -18,7 +18,7 @@ from engine.static_decode import StaticDecoder, static_enabled
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-def _qwen(hidden=64, layers=4, device="cpu"):
+def _qwen(hidden=128, layers=4, device="cpu"):  # 2 query heads over 1 key-value head: GQA
     model = HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=hidden, layers=layers)))
     return init_random(model, 0).eval().to(device)
 

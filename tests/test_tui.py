@@ -217,6 +217,58 @@ def test_a_turn_keeps_the_views_of_earlier_messages_and_the_pane_follows_the_ans
     asyncio.run(scenario())
 
 
+def test_a_streamed_answer_is_redrawn_from_the_stored_message_when_the_turn_ends():
+    """Markdown.append parses only the new text, and appends that overlap (the last timer flush and
+    the turn's own) can draw a different document than the text: a list and a quote drawn twice
+    (found in review). The turn's end re-draws the streamed view from the stored message; views
+    that were not streamed are kept as they are."""
+    from textual.app import App
+    from textual.widgets._markdown import MarkdownBlock
+
+    from store.conversations import Message
+
+    text = "1. first\n2. second\n   continued\n3. third\n\n> quote line\n> more\n\nend"
+
+    def shape(view):
+        return [type(w).__name__ for w in view.walk_children() if isinstance(w, MarkdownBlock)]
+
+    class Pane(App):
+        def compose(self):
+            yield ConversationView()
+
+    async def scenario():
+        app = Pane()
+        async with app.run_test(size=(80, 60)) as pilot:
+            pane = app.query_one(ConversationView)
+            user = pane.add(0, "user", "hi")
+            answer = pane.add(1, "assistant", "", streamed=True)
+            reference = pane.add(2, "assistant", text)
+            await pilot.pause()
+            pieces = ["1", ". first\n2.", " second\n", "   con", "tinu", "ed\n3. third\n", "\n> quo", "te line\n> mo",
+                      "re", "\n\nen", "d"]  # the last two appended without a pause: they overlap
+            for i, piece in enumerate(pieces):
+                answer.append(piece)
+                if i != len(pieces) - 2:
+                    await pilot.pause(0.01)
+            for _ in range(3):
+                await pilot.pause()
+            drawn_streamed = shape(answer)
+            await reference.remove()
+            pane.show([Message("u", "c", None, "user", "hi", None, ""), Message("a", "c", "u", "assistant", text, None, "")])
+            for _ in range(3):
+                await pilot.pause()
+            views = list(pane.query_children(MessageView))
+            assert views == [user, answer] and not answer.streamed and answer.source == text
+            fresh = MessageView(text, "assistant")
+            await pane.mount(fresh)
+            await pilot.pause()
+            assert shape(answer) == shape(fresh)
+            return drawn_streamed, shape(fresh)
+
+    drawn_streamed, wanted = asyncio.run(scenario())
+    assert drawn_streamed != wanted  # the overlap did draw something else: the re-draw was needed
+
+
 def test_the_workbench_layout_snapshot(model_dir, tmp_path, monkeypatch, snap_compare):
     """The layout a user sees on start (ids and memory pinned so the picture is reproducible)."""
     import itertools

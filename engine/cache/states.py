@@ -244,7 +244,7 @@ class PagedKVState:
         ids = self.table[:, first:last].flatten().clone()  # b's blocks in order, aligned (kernels check)
         out = []
         for pool in (self.k_pool, self.v_pool):
-            blocks = gather(pool, ids).view(b, last - first, *pool.shape[1:])  # [B, m, Hkv, PAGE, D]
+            blocks = gather(pool, ids, trusted=True).view(b, last - first, *pool.shape[1:])  # [B, m, Hkv, PAGE, D]
             run = blocks.transpose(1, 2).reshape(b, pool.shape[1], -1, pool.shape[3])
             cut = run[:, :, lo - first * PAGE:hi - first * PAGE]
             out.append(cut if cut.shape[2] == run.shape[2] else cut.clone())  # no view pinning the rest
@@ -285,7 +285,7 @@ class PagedKVState:
             if seq_len % PAGE:  # the last block's unused positions: never read (lengths stops before them)
                 run = torch.cat([run, run.new_zeros(b, heads, m * PAGE - seq_len, d)], dim=2)
             blocks = run.reshape(b, heads, m, PAGE, d).transpose(1, 2).reshape(b * m, heads, PAGE, d)
-            scatter(pool, ids, blocks)
+            scatter(pool, ids, blocks, trusted=True)
         state.length = seq_len
         state.lengths.fill_(seq_len)
         return state

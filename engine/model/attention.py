@@ -50,9 +50,13 @@ class GatedAttention(nn.Module):
             o = _paged_attention(q, state)
         else:
             q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
-            if isinstance(state, PagedKVState) and state.length == start:
-                state.append(k, v)
-                o = _paged_attention(q, state)
+            if isinstance(state, PagedKVState):
+                if state.length == start:
+                    state.append(k, v)
+                elif start + t > state.length:
+                    raise IndexError(f"positions up to {start + t} asked of a KV state holding {state.length}")
+                # (a replay reads the cached keys through the table, as far as its chunk: nothing written)
+                o = _paged_attention(q, state, start + t)
             else:
                 if state is not None:
                     k, v = state.append(k, v) if state.length == start else state.read(start + t)
@@ -61,13 +65,15 @@ class GatedAttention(nn.Module):
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
 
 
-def _paged_attention(q: torch.Tensor, state: PagedKVState) -> torch.Tensor:
-    """q [B, H, T, D] for the state's last T positions (just written), attending causally through
-    the block table: [B, H, T, D]."""
-    pools = (state.k_pool, state.v_pool, state.table, state.lengths)
+def _paged_attention(q: torch.Tensor, state: PagedKVState, end: int | None = None) -> torch.Tensor:
+    """q [B, H, T, D] for positions end-T..end-1 (end: the state's length unless given), their
+    keys already in the pool, attending causally through the block table: [B, H, T, D]. The
+    state built its table itself, so the kernels trust it (checking it would synchronise)."""
+    lengths = state.lengths if end is None or end == state.length else torch.full_like(state.lengths, end)
+    pools = (state.k_pool, state.v_pool, state.table, lengths)
     if q.shape[2] == 1:
-        return paged_decode(q[:, :, 0].contiguous(), *pools).unsqueeze(2)
-    return paged_prefill(q.transpose(1, 2).contiguous(), *pools).transpose(1, 2)
+        return paged_decode(q[:, :, 0].contiguous(), *pools, trusted=True).unsqueeze(2)
+    return paged_prefill(q.transpose(1, 2).contiguous(), *pools, trusted=True).transpose(1, 2)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

@@ -149,7 +149,7 @@ class ChatApp(App):
             n += 1
         else:
             view.show(self.session.path())
-        answer = view.add(n, "assistant", "")
+        answer = view.add(n, "assistant", "", streamed=True)
         self.busy = True
         self.cancel.clear()
         with self._stream_lock:

@@ -21,8 +21,13 @@ def _parser() -> MarkdownIt:
 class MessageView(Markdown):
     """One message; its role is a CSS class (user / assistant / system)."""
 
-    def __init__(self, markdown: str, classes: str):
-        super().__init__(markdown, classes=classes, parser_factory=_parser)
+    def __init__(self, markdown: str, role: str, streamed: bool = False):
+        super().__init__(markdown, classes=role, parser_factory=_parser)
+        self.role = role
+        # built by appends as an answer streamed in: Markdown.append parses only the new text, and
+        # appends that overlap can draw a different document than the text (a block twice), so the
+        # view is re-drawn from the stored message once the turn is over
+        self.streamed = streamed
         self._height = 0
 
     def on_resize(self, event) -> None:
@@ -44,27 +49,29 @@ class ConversationView(VerticalScroll):
         views = list(self.query_children(MessageView))
         keep = 0
         for view, m in zip(views, messages):
-            if view.role != m.role or view.source != m.content:
+            if view.role != m.role or not (view.streamed or view.source == m.content):
                 break
+            if view.streamed:
+                view.update(m.content)
+                view.streamed = False
             keep += 1
         for view in views[keep:]:
             view.remove()
         if keep < len(messages):
             self.mount_all([self._view(i, m.role, m.content) for i, m in enumerate(messages) if i >= keep])
-        # to the end after a switch or an edit; after a turn (the last view at most re-made) only
-        # if the pane was following it, not while the user reads further up
-        if keep < len(views) - 1 or self.scroll_y >= self.max_scroll_y - 1:
+        # to the end when messages changed (a switch, an edit, a new turn shown); after a turn whose
+        # answer is already on screen, only if the pane was following it, not while the user reads
+        if keep < len(views) or keep < len(messages) or self.scroll_y >= self.max_scroll_y - 1:
             self.scroll_end(animate=False)
 
-    def add(self, index: int, role: str, text: str) -> MessageView:
-        view = self._view(index, role, text)
+    def add(self, index: int, role: str, text: str, streamed: bool = False) -> MessageView:
+        view = self._view(index, role, text, streamed)
         self.mount(view)
         self.scroll_end(animate=False)
         return view
 
     @staticmethod
-    def _view(index: int, role: str, text: str) -> MessageView:
-        view = MessageView(text, classes=role)
-        view.role = role
+    def _view(index: int, role: str, text: str, streamed: bool = False) -> MessageView:
+        view = MessageView(text, role, streamed)
         view.border_title = f"{index} · {role}"
         return view
