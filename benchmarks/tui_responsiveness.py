@@ -178,6 +178,8 @@ def main() -> None:
         for _ in range(rounds):  # alternated, so drift on a noisy machine hits both alike
             plain.append(_plain_turn(folder, tokens))
             tui.append(asyncio.run(_tui_turn(folder, tokens, keys)))
+            print(f"round: plain {plain[-1]['tokens_per_s']:.1f} tok/s, TUI {tui[-1]['tokens_per_s']:.1f} tok/s "
+                  f"(UI thread {tui[-1]['ui_cpu_share']:.1%})", flush=True)
         p = statistics.median(r["tokens_per_s"] for r in plain)
         t = statistics.median(r["tokens_per_s"] for r in tui)
         idle = [x for r in tui for x in r["idle"]]
