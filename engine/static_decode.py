@@ -19,7 +19,6 @@ with the ordinary decode. `HCW_STATIC=1` turns it on in `Engine.decode`; off by 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
 
@@ -49,21 +48,25 @@ class StaticDecoder:
         from engine.model.attention import GatedAttention
         from engine.model.gdn import GatedDeltaNet
 
+        from engine.model.mlp import MLP
+
         if getattr(model, "hc_head", None) is not None:
             raise StaticUnsupported("hyper-connected blocks")
         mixers = [blk.mixer for blk in model.layers]
         if not all(isinstance(m, (GatedAttention, GatedDeltaNet)) for m in mixers):
             kinds = sorted({m.kind for m in mixers if not isinstance(m, (GatedAttention, GatedDeltaNet))})
             raise StaticUnsupported(f"layer kinds {', '.join(kinds)}")
+        if not all(type(blk.mlp) is MLP for blk in model.layers):  # a MoE routes by reading the router's choice back
+            raise StaticUnsupported("mixture-of-experts feed-forward layers")
         self.model = model
         self._state = weakref.ref(state)  # the state holds its decoder (state.extra), not the reverse
         need = state.seq_len + 1
-        self.capacity = capacity or -(-max(2 * need, need + 1024) // PAGE) * PAGE
+        limit = max(need, model.config.max_position_embeddings)
+        self.capacity = capacity or min(-(-max(2 * need, need + 1024) // PAGE) * PAGE, limit)
         if self.capacity < need:
             raise ValueError(f"capacity {self.capacity} < {need} positions")
         device, dtype = model.device, model.dtype
-        batch = next((layer.table.shape[0] if isinstance(layer, PagedKVState) else layer.recurrent.shape[0]
-                      for layer in state.layers if isinstance(layer, (KVState, PagedKVState, GDNState))), 1)
+        batch = _batch(state)
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         for i, (mixer, layer) in enumerate(zip(mixers, state.layers)):
@@ -79,11 +82,13 @@ class StaticDecoder:
                 layer.conv = layer.conv.clone()
                 layer.norm = layer.norm.clone()
                 layer.step = torch.zeros(batch, layer.recurrent.shape[1], 2, dtype=torch.float32, device=device)
+                layer.step_norm = torch.zeros_like(layer.norm)
         self.guard = TopologyGuard()
         self.graph = None
         self.out: torch.Tensor | None = None
         self.uncaptured = 0  # steps run since the last capture was dropped (or since the start)
         self.captures = 0
+        self.capture_error = ""  # why capturing failed, after which the step always runs uncaptured
 
     @property
     def state(self) -> ModelState:
@@ -96,35 +101,42 @@ class StaticDecoder:
         """Whether the next step of `state` can be this decoder's."""
         return state is self._state() and state.seq_len < self.capacity
 
-    def fingerprint(self) -> bytes:
-        """Every buffer the step touches (address, shape, dtype), and whether it records statistics."""
-        h = hashlib.sha256()
+    def fingerprint(self) -> tuple:
+        """Every buffer the step touches (address, shape, stride, dtype) — the state's, the RoPE
+        tables (shared by every state: a longer prefill elsewhere rebuilds them), the weights and
+        the tensors derived from them — and whether each GDN layer records statistics."""
         tensors = [self.token, self.pos]
+        flags = []
         for layer in self.state.layers:
             if isinstance(layer, PagedKVState):
                 tensors += [layer.k_pool, layer.v_pool, layer.table, layer.lengths]
             elif isinstance(layer, GDNState):
-                tensors += [layer.conv, layer.recurrent, layer.norm, layer.step]
-                h.update(b"T" if layer.tracking else b"F")
+                tensors += [layer.conv, layer.recurrent, layer.norm, layer.step, layer.step_norm]
+                flags.append(layer.tracking)
             else:
-                h.update(type(layer).__name__.encode())  # a layer state the step does not expect
-        for t in tensors:
-            h.update(f"{t.data_ptr()}:{tuple(t.shape)}:{tuple(t.stride())}:{t.dtype}".encode())
-        return h.digest()
+                flags.append(type(layer).__name__)  # a layer state the step does not expect
+        for module in self.model.modules():
+            tensors += [p for p in module._parameters.values() if p is not None]
+            tensors += [entry[2] for entry in module.__dict__.get("_derived", {}).values()]
+            rotary = getattr(module, "rotary", None)
+            for table in getattr(rotary, "_tables", {}).values():
+                tensors += list(table)
+        return tuple(flags) + tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
 
     def step(self, token: int) -> torch.Tensor:
         """Logits [B, vocab] for `token` at position state.seq_len; the state advances by one."""
         state = self.state
         if state.seq_len >= self.capacity:
             raise IndexError(f"position {state.seq_len} is past the decoder's capacity {self.capacity}")
+        position = state.seq_len
         self.token.fill_(token)
-        self.pos.fill_(state.seq_len)
+        self.pos.fill_(position)
         if self.graph is not None and not self.guard.check(self.fingerprint()):
             self.graph, self.uncaptured = None, 0  # the buffers moved: capture again after a warm-up
         if self.graph is not None:
             self.graph.replay()
-        elif self.token.is_cuda and self.uncaptured >= WARMUP:
-            self._capture()
+        elif self.token.is_cuda and self.uncaptured >= WARMUP and not self.capture_error and self._capture():
+            pass
         else:
             self.out = self._run()
             self.uncaptured += 1
@@ -133,7 +145,7 @@ class StaticDecoder:
             if isinstance(layer, PagedKVState):
                 layer.length += 1
             elif isinstance(layer, GDNState):
-                layer.commit_step()
+                layer.commit_step(position)
         return self.out[:, -1].clone()  # the graph's output is overwritten by the next replay
 
     def _run(self) -> torch.Tensor:
@@ -156,12 +168,35 @@ class StaticDecoder:
                 elif isinstance(layer, GDNState):
                     layer.static = False
 
-    def _capture(self) -> None:
+    def _capture(self) -> bool:
+        """Capture the step and run it once; False (and the reason kept) when CUDA refuses, e.g. an
+        op that reads a value back from the device: the step then always runs uncaptured."""
+        from kernels.dispatch import mode
+
+        if mode() == "reference":  # the torch references read lengths back: not capturable
+            self.capture_error = "HCW_KERNELS=reference"
+            return False
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.out = self._run()
-        self.guard = TopologyGuard()
+        try:
+            with torch.cuda.graph(graph):
+                out = self._run()
+        except RuntimeError as e:  # kept and reported (capture_error); the step runs uncaptured
+            self.capture_error = f"{type(e).__name__}: {e}"
+            return False
+        self.out = out
         self.guard.freeze(self.fingerprint())
         self.graph = graph
         self.captures += 1
         graph.replay()  # capturing records the step without running it
+        return True
+
+
+def _batch(state: ModelState) -> int:
+    for layer in state.layers:
+        if isinstance(layer, KVState):
+            return layer.k.shape[0]
+        if isinstance(layer, PagedKVState):
+            return layer.table.shape[0]
+        if isinstance(layer, GDNState):
+            return layer.recurrent.shape[0]
+    return 1

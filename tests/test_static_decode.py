@@ -13,7 +13,7 @@ from engine.config import ModelConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.hybrid import HybridModel
 from engine.model.random_init import hcw_hybrid_dict, init_random, qwen3_5_text_dict
-from engine.static_decode import StaticDecoder, static_enabled
+from engine.static_decode import StaticDecoder, StaticUnsupported, static_enabled
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -124,7 +124,8 @@ def test_a_model_the_static_step_does_not_cover_decodes_as_usual(monkeypatch):
 
 def test_the_topology_fingerprint_sees_every_moved_buffer_and_the_statistics_switch(monkeypatch):
     """What the guard compares before replaying a captured step: a prefill that replaces a GDN
-    state, a pool that grows, or a state that starts recording statistics all change it."""
+    state, a state that starts recording statistics, or RoPE tables rebuilt longer (they are the
+    model's, shared by every state) all change it."""
     model = _qwen()
     ids = _ids(40)
     with torch.no_grad():
@@ -138,10 +139,63 @@ def test_the_topology_fingerprint_sees_every_moved_buffer_and_the_statistics_swi
         assert decoder.fingerprint() != before
         moved = decoder.fingerprint()
         state.track_statistics()
-        assert decoder.fingerprint() != moved
+        tracked = decoder.fingerprint()
+        assert tracked != moved
+        attention = next(blk.mixer for blk in model.layers if hasattr(blk.mixer, "rotary"))
+        held = next(iter(attention.rotary._tables.values()))[0].shape[0]
+        attention.rotary.reserve(held + 1, attention.head_dim, model.dtype, model.device)
+        assert decoder.fingerprint() != tracked  # the shared RoPE tables were rebuilt (found in review)
     monkeypatch.setenv("HCW_STATIC", "2")
     with pytest.raises(ValueError, match="HCW_STATIC"):
         static_enabled()
+
+
+def test_models_whose_step_reads_values_back_are_not_taken():
+    """A mixture of experts routes by reading the router's choice back (bincount, tolist), which a
+    captured step cannot do: such a model is refused up front, like other layer kinds."""
+    raw = qwen3_5_text_dict(hidden=64, layers=4)
+    raw.update(model_type="qwen3_next", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32, decoder_sparse_step=1)
+    model = init_random(HybridModel(ModelConfig.from_dict(raw)), 0).eval()
+    state = model.new_state()
+    with torch.no_grad():
+        model(_ids(10), state)
+    with pytest.raises(StaticUnsupported, match="mixture-of-experts"):
+        StaticDecoder(model, state)
+
+
+def test_a_model_that_starts_with_full_attention_on_a_dense_state(monkeypatch):
+    """(Found in review: the batch size was read off the first layer as if it were a GDN state.)"""
+    monkeypatch.setenv("HCW_KV", "dense")
+    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=128, layers=2, attn_every=2)
+                                                          | {"layer_types": ["full_attention", "linear_attention"]})), 0).eval()
+    ids = _ids(80)
+    with torch.no_grad():
+        expected, _ = _eager(model, ids, 60)
+        state = model.new_state()
+        got = [model(ids[:, :60], state)[:, -1]]
+        decoder = StaticDecoder(model, state)
+        got += [decoder.step(int(ids[0, i])) for i in range(60, 80)]
+    assert max((a - b).abs().max().item() for a, b in zip(got, expected)) <= 1e-5
+
+
+def test_statistics_that_do_not_continue_are_not_recorded_as_the_ordinary_decode_does():
+    """A state that starts recording after its prefill has no statistics to continue: the ordinary
+    decode records nothing for it, nor may the static step (found in review)."""
+    model = _qwen()
+    ids = _ids(50)
+    ends = []
+    with torch.no_grad():
+        for static in (False, True):
+            state = model.new_state()
+            model(ids[:, :40], state)
+            state.track_statistics()
+            decoder = StaticDecoder(model, state) if static else None
+            for i in range(40, 50):
+                decoder.step(int(ids[0, i])) if static else model(ids[:, i:i + 1], state)
+            ends.append([(s.stats_end, s.norm.clone()) for s in state.layers if isinstance(s, GDNState)])
+    for (end_a, norm_a), (end_b, norm_b) in zip(*ends):
+        assert end_a == end_b == 0 and torch.equal(norm_a, norm_b)
 
 
 @cuda

@@ -321,6 +321,7 @@ class GDNState:
     # statistics go to `step` ([B, Hv, 2]) for the decoder to `commit_step` outside the captured step
     static: bool = False
     step: torch.Tensor = None
+    step_norm: torch.Tensor = None  # [B, Hv] float64: N after the static step, `norm` once committed
 
     def __post_init__(self) -> None:
         b, heads = self.recurrent.shape[:2]
@@ -339,9 +340,9 @@ class GDNState:
         when they continue the recorded ones; a replay of earlier positions records nothing."""
         if not self.tracking:
             return
-        if self.static:  # one token, tensors only: n = e^g N + x, kept in `norm` and `step`
+        if self.static:  # one token, tensors only: n = e^g N + x into `step`; commit_step decides
             n = (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()) * (1 + 1e-6)
-            self.norm.copy_(n)
+            self.step_norm.copy_(n)
             self.step[..., 0].copy_(g[:, 0])
             self.step[..., 1].copy_(n)
             return
@@ -368,10 +369,12 @@ class GDNState:
         self.norm = n[:, -1]
         self.stats_end += g.shape[1]
 
-    def commit_step(self) -> None:
-        """After a static decode step: its statistics (in `step`) appended as record() would."""
-        if not self.tracking:
+    def commit_step(self, start: int) -> None:
+        """After a static decode step at position `start`: its statistics (in `step`) kept as
+        record() would — only when they continue the recorded ones."""
+        if not self.tracking or start != self.stats_end:
             return
+        self.norm.copy_(self.step_norm)
         used = self.stats_end - self.stats_start
         if used + 1 > self.stats.shape[1]:
             grown = self.stats.new_zeros(self.stats.shape[0], max(used + 1, 2 * self.stats.shape[1], 256),
