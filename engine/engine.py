@@ -157,7 +157,8 @@ class Engine:
             return None
         if decoder is None or not decoder.fits(state):
             try:
-                decoder = StaticDecoder(self.model, state)
+                topology = self.cache.topology if self.cache is not None else b""
+                decoder = StaticDecoder(self.model, state, topology=topology)
             except StaticUnsupported:
                 decoder = False
             state.extra["static"] = decoder

@@ -8,7 +8,8 @@ after the step (`GDNState.commit_step`). The Python bookkeeping (seq_len, length
 the step, never inside it: a replayed graph runs no Python.
 
 The topology guard (engine/cache/rules.py) is frozen at capture with the fingerprint of every
-buffer the step reads or writes (address, shape, dtype) and the statistics switch; every step
+buffer the step reads or writes (address, shape, dtype), the statistics switch and the prefix
+cache's topology fingerprint (layer kinds, piece shapes and dtypes, block size); every step
 checks it first, and a change (a prefill that grew a pool or replaced a GDN state, a turn that
 stopped recording statistics) means run uncaptured and capture again, never a replay over other
 memory.
@@ -44,7 +45,7 @@ def static_enabled() -> bool:
 class StaticDecoder:
     """Decodes one token per `step` for one ModelState, which it owns the buffers of from then on."""
 
-    def __init__(self, model, state: ModelState, capacity: int | None = None):
+    def __init__(self, model, state: ModelState, capacity: int | None = None, topology: bytes = b""):
         from engine.model.attention import GatedAttention
         from engine.model.gdn import GatedDeltaNet
 
@@ -59,6 +60,7 @@ class StaticDecoder:
         if not all(type(blk.mlp) is MLP for blk in model.layers):  # a MoE routes by reading the router's choice back
             raise StaticUnsupported("mixture-of-experts feed-forward layers")
         self.model = model
+        self.topology = topology  # the prefix cache's layout fingerprint (rule 4), frozen with the buffers
         self._state = weakref.ref(state)  # the state holds its decoder (state.extra), not the reverse
         need = state.seq_len + 1
         limit = max(need, model.config.max_position_embeddings)
@@ -121,7 +123,7 @@ class StaticDecoder:
             rotary = getattr(module, "rotary", None)
             for table in getattr(rotary, "_tables", {}).values():
                 tensors += list(table)
-        return tuple(flags) + tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+        return (self.topology, *flags) + tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
 
     def step(self, token: int) -> torch.Tensor:
         """Logits [B, vocab] for `token` at position state.seq_len; the state advances by one."""

@@ -105,7 +105,9 @@ def test_the_engine_decodes_statically_when_asked_and_the_cache_stays_exact(monk
         monkeypatch.setenv("HCW_STATIC", "1")
         engine = Engine(model, cache=PrefixCache(model, CacheConfig(block_size=16, checkpoint_every=1)))
         gen = engine.generate(prompt, params)
-        assert isinstance(gen.state.extra.get("static"), StaticDecoder) and gen.token_ids == plain
+        decoder = gen.state.extra.get("static")
+        assert isinstance(decoder, StaticDecoder) and gen.token_ids == plain
+        assert decoder.fingerprint()[0] == engine.cache.topology  # rule 4's fingerprint, frozen with the buffers
         follow = prompt + gen.token_ids + _ids(10, seed=4)[0].tolist()
         run = engine.start(follow)
         cold = Engine(model).start(follow)
