@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-report}}"
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hcw-site .whl/*.whl 2>&1 | tail -3
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/hcw-site .whl/*.whl 2>&1 | tail -3
     export PYTHONPATH="$PWD:/tmp/hcw-site${PYTHONPATH:+:$PYTHONPATH}"
 else
     python3 -m venv .venv-gpu && . .venv-gpu/bin/activate && pip install -q -e '.[test]' 2>&1 | tail -3
