@@ -26,10 +26,11 @@ class SegmentTable(DataTable):
         """Rows keyed by segment index: changed cells are updated in place, new rows added, rows
         of segments no longer on this branch removed."""
         wanted = {str(r.index): cells(r) for r in rows}
-        for key in [k.value for k in list(self.rows) if k.value not in wanted]:
+        present = {k.value for k in self.rows}  # (once: per row it made an update quadratic in the segments)
+        for key in present - wanted.keys():
             self.remove_row(key)
         for key, values in wanted.items():
-            if key in {k.value for k in self.rows}:
+            if key in present:
                 for column, value in zip(COLUMNS, values):
                     if self.get_cell(key, column) != value:
                         self.update_cell(key, column, value)
