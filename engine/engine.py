@@ -76,6 +76,7 @@ class Engine:
         self.model = model
         self.config = config or EngineConfig(dtype=model.dtype, device=str(model.device))
         self.cache = cache
+        self.static = static_enabled()  # HCW_STATIC, read once: decode is the hot path
 
     def metrics(self) -> dict:
         return self.cache.metrics.as_dict() if self.cache is not None else {}
@@ -143,7 +144,7 @@ class Engine:
 
     @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:
-        decoder = self._static_decoder(state) if static_enabled() else None
+        decoder = self._static_decoder(state) if self.static else None
         if decoder is not None:
             return decoder.step(token)[0]
         tokens = torch.tensor([[token]], dtype=torch.long, device=self.model.device)

@@ -201,8 +201,7 @@ class PagedKVState:
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write [B, Hkv, T, D] at positions length..length+T-1 (the kernels then read them)."""
         end = self.length + k_new.shape[2]
-        if end > self.table.shape[1] * PAGE:
-            self._grow(end)
+        self.reserve(end)
         b = self.batch
         for pool, new in ((self.k_pool, k_new), (self.v_pool, v_new)):
             slabs = pool.view(-1, b, *pool.shape[1:])  # [M, B, Hkv, PAGE, D]
@@ -225,7 +224,7 @@ class PagedKVState:
         self.lengths.copy_(self.at + 1)
 
     def reserve(self, end: int) -> None:
-        """Blocks through position end-1 now (static decode must never grow the pools)."""
+        """Blocks through position end-1 (static decode reserves ahead: it must never grow the pools)."""
         if end > self.table.shape[1] * PAGE:
             self._grow(end)
 
@@ -340,8 +339,8 @@ class GDNState:
         when they continue the recorded ones; a replay of earlier positions records nothing."""
         if not self.tracking:
             return
-        if self.static:  # one token, tensors only: n = e^g N + x into `step`; commit_step decides
-            n = (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()) * (1 + 1e-6)
+        if self.static:  # tensors only, into `step`: commit_step decides whether they continue
+            n = self._next_norm(g, x)
             self.step_norm.copy_(n)
             self.step[..., 0].copy_(g[:, 0])
             self.step[..., 1].copy_(n)
@@ -349,7 +348,7 @@ class GDNState:
         if start != self.stats_end:
             return
         if g.shape[1] == 1:  # decode: the recurrence itself, three small ops
-            n = (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()).unsqueeze(1) * (1 + 1e-6)
+            n = self._next_norm(g, x).unsqueeze(1)
         else:
             g64, x64 = g.double(), x.double()
             cum = g64.cumsum(1)  # G_t: log-decay from the chunk start through t
@@ -357,17 +356,25 @@ class GDNState:
             tail = torch.logcumsumexp(torch.log(x64.clamp_min(1e-300)) - cum, dim=1)
             n = (torch.exp(cum) * self.norm[:, None] + torch.exp(cum + tail)) * (1 + 1e-6)
         # (rounding up by 1e-6 keeps N an upper bound after float32 storage)
+        rows = self._stats_rows(g.shape[1])
+        rows[..., 0] = g
+        rows[..., 1] = n.float()
+        self.norm = n[:, -1]
+
+    def _next_norm(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """N after one token: e^g N + x, rounded up (float64, [B, Hv])."""
+        return (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()) * (1 + 1e-6)
+
+    def _stats_rows(self, n: int) -> torch.Tensor:
+        """The next n rows of `stats` ([B, n, Hv, 2], grown if needed), counted as recorded."""
         used = self.stats_end - self.stats_start
-        need = used + g.shape[1]
-        if need > self.stats.shape[1]:
-            grown = self.stats.new_zeros(self.stats.shape[0], max(need, 2 * self.stats.shape[1], 256),
+        if used + n > self.stats.shape[1]:
+            grown = self.stats.new_zeros(self.stats.shape[0], max(used + n, 2 * self.stats.shape[1], 256),
                                          *self.stats.shape[2:])
             grown[:, :used] = self.stats[:, :used]
             self.stats = grown
-        self.stats[:, used:need, :, 0] = g
-        self.stats[:, used:need, :, 1] = n.float()
-        self.norm = n[:, -1]
-        self.stats_end += g.shape[1]
+        self.stats_end += n
+        return self.stats[:, used:used + n]
 
     def commit_step(self, start: int) -> None:
         """After a static decode step at position `start`: its statistics (in `step`) kept as
@@ -375,14 +382,7 @@ class GDNState:
         if not self.tracking or start != self.stats_end:
             return
         self.norm.copy_(self.step_norm)
-        used = self.stats_end - self.stats_start
-        if used + 1 > self.stats.shape[1]:
-            grown = self.stats.new_zeros(self.stats.shape[0], max(used + 1, 2 * self.stats.shape[1], 256),
-                                         *self.stats.shape[2:])
-            grown[:, :used] = self.stats[:, :used]
-            self.stats = grown
-        self.stats[:, used] = self.step
-        self.stats_end += 1
+        self._stats_rows(1)[:, 0] = self.step
 
     def resume_stats(self, seq_len: int, decay_pieces: list[torch.Tensor] | None) -> None:
         """Continue the statistics at seq_len from the segments' recorded ones (after assembly);

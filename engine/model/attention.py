@@ -44,25 +44,32 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(k.reshape(b, t, self.n_kv, hd)).transpose(1, 2)
         v = v.reshape(b, t, self.n_kv, hd).transpose(1, 2)
-        if isinstance(state, PagedKVState) and state.at is not None:  # a static decode step: tensor positions
-            q, k = self.rotary.apply_at(q, state.at), self.rotary.apply_at(k, state.at)
-            state.write_at(k, v)
-            o = _paged_attention(q, state)
+        if isinstance(state, PagedKVState):
+            o = self._paged(q, k, v, state, start)
         else:
             q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
-            if isinstance(state, PagedKVState):
-                if state.length == start:
-                    state.append(k, v)
-                elif start + t > state.length:
-                    raise IndexError(f"positions up to {start + t} asked of a KV state holding {state.length}")
-                # (a replay reads the cached keys through the table, as far as its chunk: nothing written)
-                o = _paged_attention(q, state, start + t)
-            else:
-                if state is not None:
-                    k, v = state.append(k, v) if state.length == start else state.read(start + t)
-                o = _causal_attention(q, k, v, start)  # [B, H, T, D]
+            if state is not None:
+                k, v = state.append(k, v) if state.length == start else state.read(start + t)
+            o = _causal_attention(q, k, v, start)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
+
+
+    def _paged(self, q, k, v, state: PagedKVState, start: int) -> torch.Tensor:
+        """Attention over a paged state: a static decode step (positions in tensors, `state.at`),
+        new positions appended, or a replay of held ones, which reads the cached keys through the
+        table as far as its chunk and writes nothing."""
+        if state.at is not None:
+            q, k = self.rotary.apply_at(q, state.at), self.rotary.apply_at(k, state.at)
+            state.write_at(k, v)
+            return _paged_attention(q, state)
+        q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
+        end = start + q.shape[2]
+        if state.length == start:
+            state.append(k, v)
+        elif end > state.length:
+            raise IndexError(f"positions up to {end} asked of a KV state holding {state.length}")
+        return _paged_attention(q, state, end)
 
 
 def _paged_attention(q: torch.Tensor, state: PagedKVState, end: int | None = None) -> torch.Tensor:

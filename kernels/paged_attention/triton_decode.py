@@ -21,11 +21,9 @@ from kernels.online_softmax import fold, start
 def _check_table(table, lengths, n_blocks: int, bs: int) -> None:
     """Every block a sequence's length needs is in its table row and names a pool block (reading
     the values synchronises with the GPU: a caller that built the table itself passes
-    `trusted=True` and keeps only the shape, dtype, layout and alignment checks). Skipped
-    while a CUDA graph is captured (reading the lengths would synchronise, which capture forbids):
-    the static decoder runs its step uncaptured first, through these checks, and checks that the
-    table covers its whole capacity before it captures."""
-    if not lengths.numel() or (lengths.is_cuda and torch.cuda.is_current_stream_capturing()):
+    `trusted=True` and keeps only the shape, dtype, layout and alignment checks: the engine's
+    paged KV state does, which is also what lets a decode step be captured as a CUDA graph)."""
+    if not lengths.numel():
         return
     need = int(lengths.max() + bs - 1) // bs
     if int(lengths.min()) < 0 or need > table.shape[1]:
