@@ -128,6 +128,22 @@ def test_the_tier_shuffles_16_bit_floats_only():
         assert torch.equal(decode_pack(encode_pack(tensors, shuffle=True))[0], tensors[0])
 
 
+def test_16_bit_planes_end_blocks_of_a_standard_zstd_frame():
+    # a segment's bf16 KV pack (64 positions, 2 heads, 32 dims, K and V): its byte planes in one
+    # block share one Huffman table for literals; each plane ending a block compresses better
+    gen = torch.Generator().manual_seed(2)
+    kv = [torch.randn(1, 2, 64, 32, generator=gen).bfloat16() for _ in range(2)]
+    blob = encode_pack(kv)
+    frame = blob[blob.index(b"\x28\xb5\x2f\xfd"):]
+    planes = torch.cat([t.reshape(-1) for t in kv]).view(torch.uint8).reshape(-1, 2).T.contiguous().numpy().tobytes()
+    assert zstandard.ZstdDecompressor().decompress(frame) == planes  # any zstd reader reads it
+    one_block = zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=True).compress(planes)
+    assert len(frame) < 0.93 * len(one_block)
+    # a pack written before (both planes in one block) still reads back
+    old = blob[:len(blob) - len(frame)] + one_block
+    assert all(torch.equal(a, b) for a, b in zip(decode_pack(old), kv))
+
+
 def test_pack_refuses_what_it_cannot_trust():
     blob = encode_pack([torch.randn(4, 8), torch.randn(3)])
     with pytest.raises(BlobError, match="magic"):
