@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -40,6 +42,18 @@ async def _say(app: ChatApp, pilot, text: str) -> None:
     while app.busy:  # the turn's end reaches the UI thread after the worker finishes
         await pilot.pause(0.02)
     await pilot.pause()
+
+
+def _paced(app: ChatApp, seconds: float) -> None:
+    """The worker waits `seconds` after each delta it hands over, so that a test watching an answer
+    stream sees it stream however fast this machine generates (a slower one only takes longer)."""
+    handover = app._streamed
+
+    def streamed(delta: str) -> None:
+        handover(delta)
+        time.sleep(seconds)
+
+    app._streamed = streamed
 
 
 def _text(widget) -> str:
@@ -131,31 +145,55 @@ def test_escape_cancels_and_quit_keeps_answered_turns(model_dir, tmp_path):
 
 
 def test_typing_works_while_an_answer_streams(model_dir, tmp_path):
-    """The prompt takes keys while the worker generates, and the answer keeps arriving on screen
-    in pieces (the worker hands deltas over without waiting for the screen); how fast is
-    benchmarks/tui_responsiveness.py's business, not a test's."""
+    """The prompt takes keys while the worker generates, and the answer arrives on screen in
+    pieces (the worker hands deltas over without waiting for the screen). The worker is held
+    after its 1st and 200th delta until the test has seen them, so that "while" does not depend
+    on how fast this machine generates; how fast is benchmarks/tui_responsiveness.py's business."""
     db = tmp_path / "t.db"
 
     async def scenario():
         app = _app(model_dir, db)
         app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=1500, ignore_eos=True)
+        holds = {1: threading.Event(), 200: threading.Event()}
+        deltas = []
+        handover = app._streamed
+
+        def streamed(delta: str) -> None:  # runs on the worker thread
+            handover(delta)
+            deltas.append(delta)
+            if len(deltas) in holds:
+                holds[len(deltas)].wait(60)
+
+        app._streamed = streamed
+
+        async def until(condition) -> None:
+            for _ in range(3000):
+                if condition():
+                    return
+                await pilot.pause(0.02)
+            raise AssertionError("the app never got there")
+
+        def shown() -> int:
+            return len(app.query(MessageView)[-1].source)
+
         async with app.run_test(size=(160, 50)) as pilot:
             app.query_one("#prompt").value = FACT
             await pilot.press("enter")
-            shown = []
-            typed = ""
-            while app.busy:
-                if len(typed) < 8:
-                    await pilot.press("x")
-                    typed += "x" if app.busy else ""
-                shown.append(len(app.query(MessageView)[-1].source))
-                await pilot.pause(0.02)
+            await until(lambda: shown() > 0)  # the first delta is on screen, the worker held
+            for _ in range(8):
+                await pilot.press("x")
+            assert app.busy and app.query_one("#prompt").value == "x" * 8  # keys landed mid-answer
+            first = shown()
+            holds[1].set()
+            await until(lambda: len(deltas) >= 200 and shown() > first)
+            second = shown()
+            holds[200].set()
+            await until(lambda: not app.busy)
             await app.workers.wait_for_complete()
             await pilot.pause()
-            assert typed and app.query_one("#prompt").value.startswith(typed)  # keys landed mid-answer
+            assert app.query_one("#prompt").value == "x" * 8
             assert len(app.last.token_ids) == 1500 and app.last.stop_reason == "length"
-            partial = {n for n in shown if 0 < n < len(app.last.text)}
-            assert len(partial) >= 2  # several partial answers were on screen before the end
+            assert 0 < first < second < len(app.last.text)  # partial answers were on screen before the end
             assert app.query(MessageView)[-1].source == app.last.text
     asyncio.run(scenario())
 
@@ -178,6 +216,7 @@ def test_a_turn_keeps_the_views_of_earlier_messages_and_the_pane_follows_the_ans
             assert [v.source for v in second] == [m.content for m in app.session.path()]
 
             pane = app.query_one(ConversationView)
+            _paced(app, 0.005)  # 400 tokens: >= 2 s of streaming to watch
             app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=400,
                                            ignore_eos=True)
             app.query_one("#prompt").value = "Tell me more."
