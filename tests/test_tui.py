@@ -256,6 +256,44 @@ def test_a_turn_keeps_the_views_of_earlier_messages_and_the_pane_follows_the_ans
     asyncio.run(scenario())
 
 
+def test_a_growing_answer_does_not_repaint_the_right_column(model_dir, tmp_path, monkeypatch):
+    """Each streamed update grows the answer and so reflows the screen. Textual's scroll views
+    refreshed their scrollbars on every reflow, and the screen repaints the bounding box of what is
+    dirty: the log's and the segment table's scrollbars pulled every right-hand pane into each
+    repaint, 5 times a second (workbench/tui/steady.py)."""
+    from collections import Counter
+
+    from textual.widget import Widget
+
+    renders = Counter()
+    render_lines = Widget.render_lines
+
+    def counted(self, crop):
+        if isinstance(self, (SegmentTable, BranchTree, ValidationPanel)):
+            renders[type(self).__name__] += 1
+        return render_lines(self, crop)
+
+    async def scenario():
+        app = _app(model_dir, tmp_path / "g.db")
+        async with app.run_test(size=(160, 50)) as pilot:
+            await _say(app, pilot, FACT)  # every pane has content, the log a line
+            answer = app.query(MessageView)[-1]
+            # what else repaints on its own: the prompt's cursor blink and the once-a-second stats
+            app.query_one("#prompt").cursor_blink = False
+            monkeypatch.setattr(app, "refresh_stats", lambda: None)
+            await pilot.pause(0.3)
+            monkeypatch.setattr(Widget, "render_lines", counted)
+            for i in range(6):
+                answer.append(f"\n\nAnother paragraph, number {i}, long enough to wrap. " * 2)
+                await pilot.pause()
+                await pilot.pause()
+            height = answer.size.height
+            monkeypatch.undo()
+            assert height > 12  # it grew, so the screen reflowed
+            assert not renders, renders
+    asyncio.run(scenario())
+
+
 def test_a_streamed_answer_is_redrawn_from_the_stored_message_when_the_turn_ends():
     """Markdown.append parses only the new text, and appends that overlap (the last timer flush and
     the turn's own) can draw a different document than the text: a list and a quote drawn twice

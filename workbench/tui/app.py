@@ -28,6 +28,7 @@ from workbench.tui.budget import ReplayBudget
 from workbench.tui.conversation import ConversationView
 from workbench.tui.segments import SegmentTable
 from workbench.tui.stats import StatsBar, stats_line
+from workbench.tui.steady import Log
 from workbench.tui.validation import ValidationPanel
 
 # how often streamed text reaches the screen: each append re-lays out the whole screen (~15 ms of
@@ -72,7 +73,7 @@ class ChatApp(App):
         with Horizontal(id="main"):
             with Vertical(id="left"):
                 yield ConversationView(id="conversation")
-                yield RichLog(id="log", markup=False, wrap=True)
+                yield Log(id="log", markup=False, wrap=True)
                 yield Input(placeholder="message, or /help for commands", id="prompt")
             with Vertical(id="right"):
                 yield BranchTree(id="branches")

@@ -6,9 +6,10 @@ from __future__ import annotations
 from textual.widgets import Tree
 
 from store.conversations import Conversations, Thread
+from workbench.tui.steady import SteadyScrollbars
 
 
-class BranchTree(Tree):
+class BranchTree(SteadyScrollbars, Tree):
     def __init__(self, **kw):
         super().__init__("conversation", **kw)
         self.show_root = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from textual.widgets import DataTable
 
 from workbench.session import PRESENCE, SegmentRow
+from workbench.tui.steady import SteadyScrollbars
 
 COLUMNS = ("seg", "tokens", "tier", *PRESENCE, "disk", "reuse", "access")
 
@@ -15,7 +16,7 @@ def cells(row: SegmentRow) -> tuple[str, ...]:
             "exact" if row.exact else "approx", str(row.last_access) if row.last_access >= 0 else "-")
 
 
-class SegmentTable(DataTable):
+class SegmentTable(SteadyScrollbars, DataTable):
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.zebra_stripes = True
