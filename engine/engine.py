@@ -19,6 +19,7 @@ from engine.cache.states import ModelState
 from engine.config import EngineConfig
 from engine.model.hybrid import HybridModel
 from engine.static_decode import StaticDecoder, StaticUnsupported, static_enabled
+from engine.threads import intra_op_threads
 
 
 class PromptError(ValueError):
@@ -201,7 +202,10 @@ class Engine:
         return started
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 on_token: Callable[[int], None] | None = None, state: ModelState | None = None) -> Generation:
+                 on_token: Callable[[int], None] | None = None, state: ModelState | None = None,
+                 decode_threads: int | None = None) -> Generation:
+        """Prefill (through the cache) and sample up to params.max_new_tokens; `decode_threads`
+        caps torch's intra-op threads for the decode steps (the prefill keeps them all)."""
         stops = set() if params.ignore_eos else set(params.stop_ids) | set(self.model.config.eos_token_ids)
         sampler = Sampler(params, self.model.device)
         timings = Timings(prompt_n=len(prompt_ids))
@@ -217,23 +221,24 @@ class Engine:
         reason = "length"
         t0 = time.perf_counter()
         try:
-            while len(out) < params.max_new_tokens:
-                token = sampler(logits)
-                out.append(token)
-                if on_token is not None:
-                    on_token(token)
-                if token in stops:
-                    reason = "stop"
-                    break
-                if len(out) == params.max_new_tokens:
-                    break
-                if state.seq_len >= self.context_limit:
-                    reason = "context"
-                    break
-                logits = self.decode(token, state)
-                run.fed.append(token)
-                if run.writer is not None and state.seq_len % self.cache.block_size == 0:
-                    run.capture(state)
+            with intra_op_threads(decode_threads):
+                while len(out) < params.max_new_tokens:
+                    token = sampler(logits)
+                    out.append(token)
+                    if on_token is not None:
+                        on_token(token)
+                    if token in stops:
+                        reason = "stop"
+                        break
+                    if len(out) == params.max_new_tokens:
+                        break
+                    if state.seq_len >= self.context_limit:
+                        reason = "context"
+                        break
+                    logits = self.decode(token, state)
+                    run.fed.append(token)
+                    if run.writer is not None and state.seq_len % self.cache.block_size == 0:
+                        run.capture(state)
         finally:
             run.finish()  # the admission ticket is released and the turn saved even if decoding failed
         timings.predicted_ms = 1000 * (time.perf_counter() - t0)

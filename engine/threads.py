@@ -11,8 +11,10 @@ starts brings the worker to ~215 (benchmarks/tui_responsiveness.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -39,3 +41,27 @@ def release_idle_team() -> bool:
     hands its torch work to another, when it is not inside a torch op. True if released."""
     lib = _libgomp()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int | None):
+    """torch's intra-op threads capped at `n` inside the block (None: left as they are)."""
+    before = torch.get_num_threads()
+    if n is None or n >= before:
+        yield
+        return
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def threads_beside_ui() -> int:
+    """Intra-op threads for decoding while a UI thread draws in the same process: one core left
+    to the UI. On 2 cores a UI at ~7% of a core cost a 2-thread decode ~14% of its speed (each op
+    waits for both threads, one of which the UI has preempted) and a 1-thread decode ~9%, while
+    alone the two ran at the same speed: a one-token step of these models is too small to share
+    (benchmarks/tui_responsiveness.py)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), cores - 1))

@@ -433,3 +433,14 @@ def test_the_segment_table_updates_rows_in_place_adds_and_removes():
             assert [table.get_cell(k, "tier") for k in ("0", "2", "3", "5")] == ["host"] * 4
             assert table.get_cell("5", "tokens") == "80–96" and table.border_subtitle == "4 segment(s)"
     asyncio.run(scenario())
+
+
+def test_the_app_decodes_with_a_core_left_to_its_own_thread(model_dir, tmp_path):
+    from engine.threads import threads_beside_ui
+
+    app = _app(model_dir, tmp_path / "c.db")
+    assert app.session.opts.decode_threads == threads_beside_ui()
+    app.session.close()
+    chosen = ChatApp(ChatSession(ChatOptions(model=model_dir, db=tmp_path / "d.db", decode_threads=3)))
+    assert chosen.session.opts.decode_threads == 3  # a choice the user made is kept
+    chosen.session.close()

@@ -117,6 +117,7 @@ class ChatOptions:
     checkpoint_every: int = 4
     device_budget_mb: int = 1024
     system: str | None = "You are a helpful assistant. Remember what the user tells you."
+    decode_threads: int | None = None  # torch intra-op threads while decoding (None: all); the TUI leaves the UI a core
 
     def __post_init__(self) -> None:
         if self.reuse not in REUSE_POLICIES:
@@ -125,6 +126,8 @@ class ChatOptions:
             CacheConfig(reuse="approximate", replay_budget=self.replay_budget, replay_tolerance=self.replay_tolerance)
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ValueError("decode_threads must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,7 @@ class ChatSession:
         stop_reason = "cancelled"
         gen: Generation | None = None
         try:
-            gen = self.engine.generate(ids, params, on_token=on_token)
+            gen = self.engine.generate(ids, params, on_token=on_token, decode_threads=self.opts.decode_threads)
             stop_reason = gen.stop_reason
         except Cancelled:
             pass

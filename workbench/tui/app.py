@@ -9,6 +9,7 @@ palette (Ctrl-P) share the plain REPL's commands.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from functools import partial
 from pathlib import Path
@@ -20,7 +21,7 @@ from textual.command import Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input, RichLog
 
-from engine.threads import release_idle_team
+from engine.threads import release_idle_team, threads_beside_ui
 from workbench import plain
 from workbench.session import ChatSession, TurnResult, fault_names
 from workbench.tui.branches import BranchTree
@@ -59,6 +60,8 @@ class ChatApp(App):
 
     def __init__(self, session: ChatSession):
         super().__init__()
+        if session.opts.decode_threads is None:  # this thread draws while the worker decodes
+            session.opts = dataclasses.replace(session.opts, decode_threads=threads_beside_ui())
         self.session = session
         self.cancel = threading.Event()
         self.busy = False
