@@ -209,15 +209,18 @@ def main() -> None:
             "and removed: the worker thread generated at half speed beside the main thread's idle OpenMP team "
             "(released before each turn, `engine/threads.py`: 55-63% -> 23-37%); each streamed update re-lays out "
             "the screen (5 updates a second instead of 20); the stats line's once-a-second update laid out the "
-            "whole screen too (now a repaint, and none when the line is unchanged). What is left is the UI's "
-            "own CPU (the share above: Markdown append, layout, render), and the overhead follows it (1.2-2x "
-            "of it in the runs so far). Streaming into a plain `Static` instead of Markdown cost the same "
-            "(layout and render dominate, not parsing); an app with no streamed updates at all still spent "
-            "4-6% of the turn on the UI thread. Nor is it only the GIL: plain generation beside a *second "
-            f"process* running the same app's streaming load (no model work there; {load_cpu:.0%} of a core) "
-            f"ran at {beside:.1f} against {alone:.1f} tok/s alone ({1 - beside / alone:.0%} slower), so moving the "
-            "engine out of the UI's process would not reach 5% on this 2-vCPU machine either: the UI's load "
-            "itself would have to shrink to a few percent of a core.",
+            "whole screen too (now a repaint, and none when the line is unchanged); Textual's scroll views "
+            "refreshed their scrollbars on every reflow, which pulled every right-hand pane into each streamed "
+            "update's repaint (`workbench/tui/steady.py`: UI thread 9.3% -> 6.8% of the turn, overhead 18.7% -> "
+            "14.1%); the decode steps run on one thread fewer than the machine's cores, leaving the UI thread "
+            "a core (a one-token step of this model is as fast on one thread as on two, and a 2-thread step "
+            "stalls whenever the UI preempts either thread: 14.1% -> 9.5-12.7%). What is left is the UI's own "
+            "CPU (the share above: Markdown append, layout, render) holding the GIL the generating thread needs "
+            "between ops. Streaming into a plain `Static` instead of Markdown cost the same (layout and render "
+            "dominate, not parsing). For scale: plain generation (all threads) beside a *second process* "
+            f"running the same app's streaming load (no model work there; {load_cpu:.0%} of a core) ran at "
+            f"{beside:.1f} against {alone:.1f} tok/s alone ({1 - beside / alone:.0%} slower; -2% to 16% across "
+            "this session's runs). Rounds of one run differ by more than the target, so one run decides little.",
         ])
         write_section("tui", "Workbench responsiveness (`benchmarks/tui_responsiveness.py`)", body)
 
