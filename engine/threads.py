@@ -45,7 +45,10 @@ def release_idle_team() -> bool:
 
 @contextlib.contextmanager
 def intra_op_threads(n: int | None):
-    """torch's intra-op threads capped at `n` inside the block (None: left as they are)."""
+    """torch's intra-op threads capped at `n` inside the block (None: left as they are), for the
+    calling thread. torch keeps the count process-wide and a thread adopts it when it first runs
+    a torch op: one that starts inside the block keeps the cap afterwards (threads already
+    running do not see it). Not for two threads at once."""
     before = torch.get_num_threads()
     if n is None or n >= before:
         yield
@@ -62,6 +65,7 @@ def threads_beside_ui() -> int:
     to the UI. On 2 cores a UI at ~7% of a core cost a 2-thread decode ~14% of its speed (each op
     waits for both threads, one of which the UI has preempted) and a 1-thread decode ~9%, while
     alone the two ran at the same speed: a one-token step of these models is too small to share
-    (benchmarks/tui_responsiveness.py)."""
+    (benchmarks/tui_responsiveness.py). Measured on 2 cores; on more, one thread fewer than the
+    cores costs a decode at most that thread's share."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(torch.get_num_threads(), cores - 1))

@@ -120,7 +120,7 @@ def _frame(payload: bytes, planes: int, level: int) -> bytes:
     planes each end a block. zstd codes a block's literals with one Huffman table, and a
     segment's pack is small enough for both planes of a 16-bit float to share a block: the
     exponent plane (~3 bits a byte) then pays for the mantissa's table. Ending a block between
-    them gave bf16 KV packs 1.43x instead of 1.28x (docs/BENCHMARKS.md). Any zstd reader reads it."""
+    them gave bf16 KV packs 1.42x instead of 1.28x (docs/BENCHMARKS.md). Any zstd reader reads it."""
     compressor = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     if planes == 1:
         return compressor.compress(payload)

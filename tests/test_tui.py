@@ -275,12 +275,13 @@ def test_a_growing_answer_does_not_repaint_the_right_column(model_dir, tmp_path,
 
     async def scenario():
         app = _app(model_dir, tmp_path / "g.db")
+        # what else repaints on its own: the once-a-second stats line (process memory moves) and,
+        # below, the prompt's cursor blink
+        monkeypatch.setattr(StatsBar, "show", lambda self, line: None)
         async with app.run_test(size=(160, 50)) as pilot:
             await _say(app, pilot, FACT)  # every pane has content, the log a line
             answer = app.query(MessageView)[-1]
-            # what else repaints on its own: the prompt's cursor blink and the once-a-second stats
             app.query_one("#prompt").cursor_blink = False
-            monkeypatch.setattr(app, "refresh_stats", lambda: None)
             await pilot.pause(0.3)
             monkeypatch.setattr(Widget, "render_lines", counted)
             for i in range(6):

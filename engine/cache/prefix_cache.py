@@ -89,8 +89,9 @@ def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
             "config": {k: v for k, v in asdict(mc).items() if k != "extra"}}
     h = hashlib.blake2b(json.dumps(desc, sort_keys=True, default=str).encode(), digest_size=16)
     for name, p in sorted(model.state_dict().items()):
-        flat = p.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
+        n = p.numel()  # sampled in logical order without a copy of the whole (weights may be stored transposed)
+        at = torch.arange(0, n, max(1, n // 4096), device=p.device)
+        sample = torch.take(p.detach(), at).float().cpu().numpy().tobytes()
         h.update(name.encode())
         h.update(sample)
     return h.digest()

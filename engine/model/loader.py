@@ -57,8 +57,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     with torch.device("meta"):
         model = HybridModel(cfg)
-    tensors = _read_safetensors(folder)
-    state = _to_our_names(cfg, tensors)
+    state = _to_our_names(cfg, _read_safetensors(folder))  # (no second reference: each original is freed when replaced)
     _check(model, state)
     _fuse(model, state)
     state = {k: v.to(device=device, dtype=_param_dtype(cfg, k, v, dtype)) for k, v in state.items()}
@@ -188,14 +187,16 @@ def _split_fused_gdn(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> None:
 
 
 def _store_transposed(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
-    """Projection weights keep their [out, in] shape but are stored [in, out] (a transposed view
-    of a contiguous copy). On the CPU a one-token matmul reads such a weight ~1.5x faster: the
-    decode step's projections, 1.51 -> 1.04 ms for this repo's benchmark model (30 MB of fp32
-    weights: decode after 1K 3.3 -> 2.5 ms), while prefill GEMMs run within ~3% of their speed
-    on [out, in] storage (a 32K prefill 12.1-12.8 s -> 12.7-13.3 s)."""
+    """fp32 projection weights keep their [out, in] shape but are stored [in, out] (a transposed
+    view of a contiguous copy). On the CPU a one-token fp32 matmul reads such a weight ~1.5x
+    faster: the decode step's projections, 1.51 -> 1.04 ms for this repo's benchmark model (30 MB
+    of weights: decode after 1K 3.3 -> 2.5 ms), while prefill GEMMs lose ~3-5% (a 32K prefill
+    12.1-12.8 s -> 12.7-13.3 s). fp16 and bf16 are left alone: their CPU kernels are slower on
+    this layout (fp16 many times over: review measurements, 147 us -> 8.2 ms for one row)."""
     for name, mod in model.named_modules():
         key = f"{name}.weight"
-        if isinstance(mod, nn.Linear) and key in state and state[key].dim() == 2:
+        if (isinstance(mod, nn.Linear) and key in state and state[key].dim() == 2
+                and state[key].dtype == torch.float32):
             state[key] = state[key].t().contiguous().t()
 
 
