@@ -56,20 +56,21 @@ def ratios(model, tokens: int) -> list[str]:
             if ts:
                 packs[kind].append(ts)
     lines = ["| state kind | dtype | raw MiB | ratio, shuffled | ratio, plain |", "|---|---|---:|---:|---:|"]
+
+    def row(name: str, dtype: torch.dtype, raw: int, shuf: int, plain: int) -> str:
+        return (f"| {name} | {str(dtype).replace('torch.', '')} | {raw / 2**20:.2f} | {raw / shuf:.2f}x | "
+                f"{raw / plain:.2f}x |")
+
     totals = collections.defaultdict(lambda: [0, 0, 0])  # dtype -> raw, shuffled, plain bytes
-    for kind, groups in sorted(packs.items()) + [("all kinds", None)]:
+    for kind, groups in sorted(packs.items()):
         for dtype in (torch.float32, torch.bfloat16):
-            if groups is None:
-                raw, shuf, plain = totals[dtype]
-            else:
-                conv = [[t.to(dtype) for t in ts] for ts in groups]
-                raw = sum(t.numel() * t.element_size() for ts in conv for t in ts)
-                shuf = sum(len(encode_pack(ts, shuffle=True)) for ts in conv)
-                plain = sum(len(encode_pack(ts, shuffle=False)) for ts in conv)
-                totals[dtype] = [a + b for a, b in zip(totals[dtype], (raw, shuf, plain))]
-            name = f"**{kind}**" if groups is None else kind
-            lines.append(f"| {name} | {str(dtype).replace('torch.', '')} | {raw / 2**20:.2f} | {raw / shuf:.2f}x | "
-                         f"{raw / plain:.2f}x |")
+            conv = [[t.to(dtype) for t in ts] for ts in groups]
+            sizes = (sum(t.numel() * t.element_size() for ts in conv for t in ts),
+                     sum(len(encode_pack(ts, shuffle=True)) for ts in conv),
+                     sum(len(encode_pack(ts, shuffle=False)) for ts in conv))
+            totals[dtype] = [a + b for a, b in zip(totals[dtype], sizes)]
+            lines.append(row(kind, dtype, *sizes))
+    lines += [row("**all kinds**", dtype, *totals[dtype]) for dtype in (torch.float32, torch.bfloat16)]
     return lines
 
 

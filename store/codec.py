@@ -6,12 +6,11 @@
     payload  zstd frame (content size and content checksum on) of the tensors' bytes, concatenated;
              16-bit floats byte-shuffled (byte plane 0 of every element, then plane 1, each plane
              ending a zstd block): their sign-and-exponent plane compresses apart from the noisy
-             mantissa bytes. Wider types
-             are stored in element order: shuffling float32 would gain ~10% of ratio on these
-             states (1.07x -> 1.18x on KV, docs/BENCHMARKS.md) but cost an un-shuffle pass over
-             every restored byte, while a plain payload decompresses straight into the tensor's
-             memory (the fp32 engine's restore is held to half of raw zstd's speed). The header's shuffle
-             flag says which, so blobs written either way read back.
+             mantissa bytes. Wider types are stored in element order: shuffling float32 would
+             gain ~10% of ratio on these states (1.07x -> 1.18x on KV, docs/BENCHMARKS.md) but
+             cost an un-shuffle pass over every restored byte, while a plain payload decompresses
+             straight into the tensor's memory (a restore's target is half of raw zstd's speed).
+             The header's shuffle flag says which, so blobs written either way read back.
 
 The disk tier writes packs: one per segment and state kind, so a restore pays the per-blob costs
 (row, checksum, header, frame, un-shuffle) a few times per segment instead of once per tensor.
