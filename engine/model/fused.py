@@ -8,12 +8,10 @@ activations and the Python calls per layer. The loader concatenates the parts in
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-from engine.model.direct import Direct
+from engine.model.direct import Linear
 
 
-class FusedLinear(Direct, nn.Linear):
+class FusedLinear(Linear):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = dict(parts)  # checkpoint sibling name -> output rows, in concatenation order

@@ -1,0 +1,99 @@
+"""The one-row product split across intra-op threads (`engine.model.direct.Linear`): the same
+result as one matmul, used only where it applies, rebuilt when the weight changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.direct import SPLIT_MIN_ELEMENTS, Linear, split_blocks
+from engine.model.fused import FusedLinear
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+
+    def use(n):
+        torch.set_num_threads(n)
+    yield use
+    torch.set_num_threads(before)
+
+
+def _layer(inp=256, out=768, seed=0, layout=True):
+    lin = Linear(inp, out, bias=False)
+    w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed))
+    lin.weight = torch.nn.Parameter(w.t().contiguous().t() if layout else w, requires_grad=False)
+    return lin
+
+
+def test_a_decode_row_is_split_across_threads_and_matches_one_matmul(threads):
+    threads(2)
+    lin = _layer()
+    x = torch.randn(1, 1, 256)
+    with torch.inference_mode():
+        y = lin(x)
+    assert lin._splits[2].shape == (2, 128, 768)  # used, and a view: no copy of the weight
+    assert lin._splits[2].data_ptr() == lin.weight.data_ptr()
+    assert y.shape == (1, 1, 768)
+    exact = F.linear(x.double(), lin.weight.double())
+    assert (y.double() - exact).abs().max().item() <= 1e-4
+    threads(4)
+    with torch.inference_mode():
+        assert (lin(x).double() - exact).abs().max().item() <= 1e-4
+    assert lin._splits[4].shape == (4, 64, 768)
+
+
+def test_the_split_is_rebuilt_when_the_weight_changes(threads):
+    threads(2)
+    lin = _layer()
+    x = torch.randn(1, 256)
+    with torch.inference_mode():
+        lin(x)
+        other = _layer(seed=1)
+        lin.weight = other.weight
+        y = lin(x)
+    assert (y - F.linear(x, other.weight)).abs().max().item() <= 1e-4
+
+
+def test_the_split_applies_only_to_large_fp32_weights_stored_in_out_on_the_cpu():
+    big = _layer().weight
+    assert split_blocks(big, 2) is not None
+    assert split_blocks(big, 1) is None  # one thread: nothing to split across
+    assert split_blocks(_layer(layout=False).weight, 2) is None  # [out, in] storage
+    assert split_blocks(big.to(torch.bfloat16), 2) is None
+    small = _layer(inp=64, out=64).weight
+    assert small.numel() < SPLIT_MIN_ELEMENTS and split_blocks(small, 2) is None
+    odd = _layer(inp=33, out=1 << 13).weight  # no slice of >= 32 input rows per thread
+    assert split_blocks(odd, 2) is None
+
+
+def test_rows_gradients_and_one_thread_take_the_plain_product(threads):
+    lin = _layer()
+    x = torch.randn(3, 256)
+    threads(2)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), F.linear(x, lin.weight))  # more than one row
+    threads(1)
+    with torch.inference_mode():
+        one = torch.randn(1, 256)
+        assert torch.equal(lin(one), F.linear(one, lin.weight))
+    assert not lin.__dict__.get("_splits")
+    threads(2)
+    lin.weight.requires_grad_(True)
+    one = torch.randn(1, 256, requires_grad=True)
+    lin(one).sum().backward()  # under autograd: the plain product, differentiable
+    assert one.grad is not None and lin.weight.grad is not None
+
+
+def test_fused_projections_split_too(threads):
+    threads(2)
+    fused = FusedLinear(256, {"a": 512, "b": 256})
+    w = torch.randn(768, 256)
+    fused.weight = torch.nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+    x = torch.randn(1, 1, 256)
+    with torch.inference_mode():
+        a, b = fused.forward_split(x)
+    assert fused._splits[2] is not None
+    assert (torch.cat([a, b], -1) - F.linear(x, w)).abs().max().item() <= 1e-4
