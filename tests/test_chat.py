@@ -157,7 +157,7 @@ def test_approximate_reuse_is_opt_in_and_labelled_everywhere(tmp_path):
     outcomes = {}
     for reuse in ("exact", "approximate"):
         s = ChatSession(ChatOptions(model=qwen, db=tmp_path / f"{reuse}.db", block_size=16, checkpoint_every=100,
-                                    max_new_tokens=4, reuse=reuse, replay_budget=8))
+                                    checkpoint_tail=0, max_new_tokens=4, reuse=reuse, replay_budget=8))
         s.send(long_fact)
         s.edit(1, edited)
         outcomes[reuse] = (s, s.regenerate())

@@ -385,6 +385,32 @@ def test_a_resent_prompt_resumes_at_its_own_last_segment_after_decoding_moved_on
     assert (run.logits - _cold_logits(model, prompt[:-1] + [7])).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("tail", [3, 0])
+def test_an_edit_near_the_end_of_a_long_prompt_resumes_at_the_boundary_before_it(model, tail):
+    """A new question after a long document: the last `checkpoint_tail` boundaries before the
+    prompt's end keep their snapshots, so the edit replays at most one segment; without the dense
+    tail it goes back to the last every-K boundary."""
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=4, checkpoint_tail=tail,
+                                           checkpoint_branch_point=False))
+    engine = Engine(model, cache=cache)
+    g = torch.Generator().manual_seed(3)
+    document = torch.randint(0, 97, (160,), generator=g).tolist()
+    engine.start(document).finish()
+    for back in (10, 20, 40):  # edits 10, 20 and 40 tokens before the end, each from the original
+        edited = document[:-back] + torch.randint(0, 97, (8,), generator=g).tolist()
+        run = engine.start(edited)
+        kept = (len(document) - back) // B * B
+        assert run.plan.usable_tokens == (kept if tail and kept >= len(document) - tail * B else kept // (4 * B) * 4 * B)
+        assert run.plan.exact
+        assert (run.logits - _cold_logits(model, edited)).abs().max().item() <= 1e-4
+        run.finish()
+
+
+def test_checkpoint_tail_must_not_be_negative():
+    with pytest.raises(ValueError, match="checkpoint_tail"):
+        CacheConfig(checkpoint_tail=-1)
+
+
 def test_shadow_verification_catches_what_validation_cannot_and_answers_cold(model):
     engine, prompt = _warm(model, shadow_fraction=1.0)
     # damage the *values* of a per-segment piece the resume uses: same shape, dtype and position,

@@ -37,9 +37,9 @@ def _prompts(vocab: int, seed: int = 0):
 
 def _resume(model, budget, reuse="approximate", checkpoint_every=100, lower=None, branch_point=True):
     """The second prompt's run after the first was cached: checkpoints only at the first
-    boundary (the branch point), the prompt end and the request end (every 100 segments: never
-    in between)."""
-    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=checkpoint_every, reuse=reuse,
+    boundary (the branch point), the prompt end and the request end (every 100 segments and no
+    dense tail: never in between)."""
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_tail=0, checkpoint_every=checkpoint_every, reuse=reuse,
                                            replay_budget=budget, checkpoint_branch_point=branch_point), lower=lower)
     engine = Engine(model, cache=cache)
     first, second = _prompts(model.config.vocab_size)
@@ -108,7 +108,7 @@ def test_a_short_replay_is_approximate_and_a_longer_one_closer(qwen):
 
 
 def test_cached_kv_is_never_overwritten_by_replayed_values(qwen):
-    cache = PrefixCache(qwen, CacheConfig(block_size=B, checkpoint_every=100, reuse="approximate", replay_budget=8))
+    cache = PrefixCache(qwen, CacheConfig(block_size=B, checkpoint_tail=0, checkpoint_every=100, reuse="approximate", replay_budget=8))
     engine = Engine(qwen, cache=cache)
     first, second = _prompts(qwen.config.vocab_size)
     engine.start(first).finish()
@@ -202,7 +202,7 @@ def test_windows_tails_and_overlaps_are_rebuilt_as_a_full_prefill_leaves_them():
 def test_a_recurrent_budget_never_trims_what_exact_reuse_needs(qwen):
     """Decay statistics are optional (their own cache group); trimming recurrent states under a
     group budget must leave exact reuse from the remaining checkpoints."""
-    cfg = CacheConfig(block_size=B, checkpoint_every=2, group_budgets=(("recurrent", 60_000),))
+    cfg = CacheConfig(block_size=B, checkpoint_tail=0, checkpoint_every=2, group_budgets=(("recurrent", 60_000),))
     engine = Engine(qwen, cache=PrefixCache(qwen, cfg))
     prompt = _prompts(qwen.config.vocab_size)[0]
     engine.start(prompt).finish()
@@ -217,7 +217,7 @@ def test_statistics_are_kept_only_for_the_cache_and_trimmed_as_segments_are_expo
     engine.prefill(list(range(100)), plain)
     gdn = [layer for layer in plain.layers if hasattr(layer, "tracking")]
     assert all(layer.stats_end == 0 for layer in gdn)  # no cache, no statistics
-    cache = PrefixCache(qwen, CacheConfig(block_size=B, checkpoint_every=1))
+    cache = PrefixCache(qwen, CacheConfig(block_size=B, checkpoint_tail=0, checkpoint_every=1))
     run = Engine(qwen, cache=cache).start(list(range(100)))
     for layer in (x for x in run.state.layers if hasattr(x, "tracking")):
         assert layer.stats_end == 100 and layer.stats_start == 96  # exported through the last boundary
@@ -328,7 +328,7 @@ def test_the_first_gdn_layer_is_certified_through_the_whole_model(replayable):
 def test_adaptive_replay_picks_the_shortest_replay_within_tolerance_in_every_layer(replayable):
     plans = {}
     for tolerance in (1e-1, 1e-3, 1e-6):
-        cache = PrefixCache(replayable, CacheConfig(block_size=B, checkpoint_every=100, reuse="approximate",
+        cache = PrefixCache(replayable, CacheConfig(block_size=B, checkpoint_tail=0, checkpoint_every=100, reuse="approximate",
                                                     replay_budget=None, replay_tolerance=tolerance,
                                                     checkpoint_branch_point=False))
         engine = Engine(replayable, cache=cache)

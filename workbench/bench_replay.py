@@ -130,7 +130,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
             for b in budgets:
                 if b.checkpoint_every not in warmed:
                     cfg = CacheConfig(block_size=block_size, checkpoint_every=b.checkpoint_every,
-                                      checkpoint_branch_point=False)
+                                      checkpoint_branch_point=False, checkpoint_tail=0)
                     engine = Engine(m, cache=PrefixCache(m, cfg))
                     engine.start(warm).finish()
                     warmed[b.checkpoint_every] = engine, engine.cache.mark()

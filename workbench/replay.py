@@ -29,7 +29,8 @@ from pathlib import Path
 from workbench.session import ChatOptions, ChatSession, TurnResult, parse_budget
 
 OPS = {"config", "user", "edit", "branch", "fork", "switch", "fault", "restart", "save"}
-CONFIG_KEYS = {"model", "reuse", "replay_budget", "replay_tolerance", "max_new_tokens", "block_size", "checkpoint_every", "system"}
+CONFIG_KEYS = {"model", "reuse", "replay_budget", "replay_tolerance", "max_new_tokens", "block_size", "checkpoint_every",
+               "checkpoint_tail", "system"}
 EXPECT_KEYS = {"outcome", "contains", "exact", "min_cached_tokens", "approximate"}
 
 

@@ -115,6 +115,7 @@ class ChatOptions:
     seed: int | None = 0
     block_size: int = 64
     checkpoint_every: int = 4
+    checkpoint_tail: int = 3  # every boundary among the last K before a prompt's end keeps its GDN snapshots
     device_budget_mb: int = 1024
     system: str | None = "You are a helpful assistant. Remember what the user tells you."
     decode_threads: int | None = None  # torch intra-op threads while decoding (None: all); the TUI leaves the UI a core
@@ -203,6 +204,7 @@ class ChatSession:
         if self.tok is None:
             raise ValueError(f"{opts.model} has no tokenizer; hcw chat needs one")
         cfg = CacheConfig(block_size=opts.block_size, checkpoint_every=opts.checkpoint_every,
+                          checkpoint_tail=opts.checkpoint_tail,
                           budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse,
                           replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance)
         self.tier = WriteBehind(opts.db, layout_fingerprint(self.model, cfg))  # spills never block decoding

@@ -49,6 +49,7 @@ class CacheConfig:
     checkpoint_every: int = 4  # boundary snapshots kept every K segments (plus request ends, branch points)
     checkpoint_request_end: bool = True  # keep the last boundary a request wrote
     checkpoint_branch_point: bool = True  # keep the first boundary a request wrote (where it left the cache)
+    checkpoint_tail: int = 3  # and every one of the last K boundaries before the prompt's end (an edit near it)
     reuse: str = "exact"  # "exact" | "approximate" (Tail-Replay, labelled) | "off"
     replay_budget: float | None = 0.05  # approximate: tokens a GDN replay may take (fraction of the match if < 1)
     replay_tolerance: float | None = None  # approximate, adaptive: per layer the shortest replay within this bound
@@ -65,6 +66,8 @@ class CacheConfig:
             raise ValueError("block_size must be >= 1")
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
+        if self.checkpoint_tail < 0:
+            raise ValueError("checkpoint_tail must be >= 0")
         if not 0.0 <= self.shadow_fraction <= 1.0:
             raise ValueError("shadow_fraction must be in [0, 1]")
         unknown = sorted({g for g, _ in self.group_budgets} - set(GROUPS))
@@ -400,16 +403,19 @@ class RequestWriter:
 
     def next_stop(self, seq_len: int) -> int:
         """The next boundary after seq_len whose snapshots this request will keep: the branch
-        point (its first boundary), every K-th segment, the prompt's last whole segment. Prefill
-        runs in chunks up to these stops only; segments in between get their per-segment pieces
-        when the next stop is reached."""
-        b, every = self.cache.block_size, self.cache.config.checkpoint_every
+        point (its first boundary), every K-th segment, each of the last `checkpoint_tail`
+        boundaries before the prompt's end, and that end. Prefill runs in chunks up to these
+        stops only; segments in between get their per-segment pieces when the next stop is reached."""
+        cfg = self.cache.config
+        b, every = self.cache.block_size, cfg.checkpoint_every
         nxt = (seq_len // b + 1) * b
         stops = [(seq_len // (b * every) + 1) * b * every]
-        if self.first is None and self.cache.config.checkpoint_branch_point:
+        if self.first is None and cfg.checkpoint_branch_point:
             stops.append(nxt)
         if self.prompt_end > seq_len:
             stops.append(self.prompt_end)
+            if cfg.checkpoint_tail:
+                stops.append(max(nxt, self.prompt_end - cfg.checkpoint_tail * b))
         return min(stops)
 
     def capture(self, state: ModelState, tokens: Sequence[int]) -> None:
@@ -441,8 +447,10 @@ class RequestWriter:
                     self.first = node.key
 
     def finish(self) -> None:
-        """Keep boundary snapshots only every K segments, at the request end and at the branch
-        point (the first boundary this request wrote); drop the others it wrote."""
+        """Keep boundary snapshots only every K segments, at the request end, at the branch point
+        (the first boundary this request wrote) and at the last `checkpoint_tail` boundaries
+        before the prompt's end (so an edit near the end of a long prompt, a new question after
+        a document, replays at most one segment); drop the others it wrote."""
         if self.ticket is not None:
             self.cache.admission.release(self.ticket)
             self.ticket = None
@@ -458,8 +466,10 @@ class RequestWriter:
             keep.add(self.captured[-1][0])
             if self.prompt_end_key is not None:
                 keep.add(self.prompt_end_key)
+        tail_from = self.prompt_end - cfg.checkpoint_tail * self.cache.block_size
         for key, j in self.captured:
-            if key in keep or (j + 1) % every == 0:
+            end = (j + 1) * self.cache.block_size
+            if key in keep or (j + 1) % every == 0 or tail_from <= end <= self.prompt_end:
                 continue
             self.cache.table.drop(key, lambda layer, kind, piece: not piece.per_segment)
         # the end of every turn: what was answered is on the lower tier before the next one
