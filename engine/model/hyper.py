@@ -12,10 +12,10 @@ All three weights come from one linear map of the RMS-normalised, flattened stre
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.model.direct import linear
 
 
 def _flat_unit_rms(streams: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,7 +35,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, T, N, D] -> (collapsed input [B, T, D], post [B, T, N], comb [B, T, N, N])."""
         n = self.n
-        mixes = F.linear(_flat_unit_rms(streams, self.eps), self.fn.float())
+        mixes = linear(_flat_unit_rms(streams, self.eps), self.fn.float())
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
@@ -67,6 +67,6 @@ class HyperHead(nn.Module):
         self.scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(_flat_unit_rms(streams, self.eps), self.fn.float())
+        mixes = linear(_flat_unit_rms(streams, self.eps), self.fn.float())
         pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

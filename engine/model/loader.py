@@ -190,8 +190,9 @@ def _store_transposed(model: HybridModel, state: dict[str, torch.Tensor]) -> Non
     """fp32 projection weights keep their [out, in] shape but are stored [in, out] (a transposed
     view of a contiguous copy). On the CPU a one-token fp32 matmul reads such a weight ~1.5x
     faster: the decode step's projections, 1.51 -> 1.04 ms for this repo's benchmark model (30 MB
-    of weights: decode after 1K 3.3 -> 2.5 ms), while prefill GEMMs lose ~3-5% (a 32K prefill
-    12.1-12.8 s -> 12.7-13.3 s). fp16 and bf16 are left alone: their CPU kernels are slower on
+    of weights: decode after 1K 3.3 -> 2.5 ms, and [in, out] is what `direct.Linear` splits across
+    threads). MKL's prefill GEMMs lost ~3-5% on it; prefill now goes through oneDNN
+    (`direct.linear`), which reads both layouts at the same speed. fp16 and bf16 are left alone: their CPU kernels are slower on
     this layout (fp16 many times over: review measurements, 147 us -> 8.2 ms for one row)."""
     for name, mod in model.named_modules():
         key = f"{name}.weight"

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.direct import Direct, Linear
+from engine.model.direct import Direct, Linear, linear
 from engine.model.fused import FusedLinear
 
 
@@ -48,8 +48,8 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             tok = token_of[lo:lo + n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * w_sorted[lo:lo + n, None].to(x.dtype)
+            gate, up = linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * w_sorted[lo:lo + n, None].to(x.dtype)
             out.index_add_(0, tok, y)
             lo += n
         return out
@@ -62,10 +62,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk = cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -92,7 +92,7 @@ class ClampedMLP(nn.Module):
         super().__init__()
         self.limit = limit
         self.w13 = FusedLinear(hidden, {"w1": intermediate, "w3": intermediate})
-        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w2 = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13.forward_split(x)
@@ -115,7 +115,7 @@ class Router(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.num_experts))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight)
         if self.func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
         elif self.func == "sigmoid":

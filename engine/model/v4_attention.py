@@ -27,6 +27,7 @@ from kernels.compressed_attention import attend
 from kernels.compressor import pool
 from kernels.indexer import score
 from engine.config import ModelConfig
+from engine.model.direct import Linear
 from engine.model.norm import RMSNorm
 from engine.model.rope import InterleavedRotary
 
@@ -50,8 +51,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.rate, self.dim, self.overlap = rate, dim, overlap
         width = 2 * dim if overlap else dim
-        self.wkv = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.wgate = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.wkv = Linear(cfg.hidden_size, width, bias=False)
+        self.wgate = Linear(cfg.hidden_size, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(rate, width))  # position bias inside the window
         self.norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -133,8 +134,8 @@ class Indexer(nn.Module):
         super().__init__()
         self.rate, self.topk = cfg.csa_rate, cfg.index_topk
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg, self.rate, self.head_dim, overlap=True, rotary=rotary)
         self.rotary = rotary
 
@@ -184,14 +185,14 @@ class V4Attention(nn.Module):
         compressed = kind != "sliding_attention"
         # sliding-only layers use the main rope; layers with a compressor share the compress rope
         self.rotary = InterleavedRotary(cfg.rotary_dim, cfg.rope_compress if compressed else cfg.rope_main)
-        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         # grouped output projection: each of G head groups to o_lora_rank, then one mix to hidden
-        self.wo_a = nn.Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
         self.rate = cfg.compress_rate(kind) if compressed else 0
         self.compressor = (Compressor(cfg, self.rate, self.head_dim, overlap=kind == "compressed_sparse_attention",

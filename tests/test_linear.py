@@ -1,5 +1,6 @@
-"""The one-row product split across intra-op threads (`engine.model.direct.Linear`): the same
-result as one matmul, used only where it applies, rebuilt when the weight changes."""
+"""`engine.model.direct.Linear`'s CPU paths: the one-row product split across intra-op threads
+and the several-row product through oneDNN give one matmul's result, each only where it applies;
+the split is rebuilt when the weight changes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.direct import SPLIT_MIN_ELEMENTS, Linear, split_blocks
+from engine.model import direct
+from engine.model.direct import ONEDNN_MIN_MACS, SPLIT_MIN_ELEMENTS, Linear, linear, split_blocks
 from engine.model.fused import FusedLinear
 
 
@@ -97,3 +99,35 @@ def test_fused_projections_split_too(threads):
         a, b = fused.forward_split(x)
     assert fused._splits[2] is not None
     assert (torch.cat([a, b], -1) - F.linear(x, w)).abs().max().item() <= 1e-4
+
+
+def _ops_run(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.skipif(not direct._ONEDNN, reason="this torch build has no oneDNN linear")
+def test_several_rows_of_a_large_fp32_product_run_through_onednn_with_one_matmuls_result():
+    w = torch.randn(768, 256).t().contiguous().t()  # the loader's CPU layout; [out, in] as well below
+    b = torch.randn(768)
+    x = torch.randn(2, 64, 256)
+    assert x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
+    for weight in (w, w.contiguous()):
+        with torch.inference_mode():
+            y = linear(x, weight, b)
+            assert "mkldnn::_linear_pointwise" in _ops_run(lambda: linear(x, weight, b))
+        exact = torch.nn.functional.linear(x.double(), weight.double(), b.double())
+        assert y.shape == (2, 64, 768) and (y.double() - exact).abs().max().item() <= 1e-4
+
+
+def test_small_products_autograd_and_other_dtypes_keep_f_linear():
+    w, x = torch.randn(64, 64), torch.randn(8, 64)
+    with torch.inference_mode():
+        assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(x, w))  # below the threshold
+        big = torch.randn(512, 256), torch.randn(768, 256)
+        half = [t.to(torch.bfloat16) for t in big]
+        assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(*half))
+    x, w = torch.randn(512, 256, requires_grad=True), torch.randn(768, 256, requires_grad=True)
+    assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(x, w).sum().backward())
+    assert x.grad is not None and w.grad is not None
