@@ -36,15 +36,15 @@ def test_a_decode_row_is_split_across_threads_and_matches_one_matmul(threads):
     x = torch.randn(1, 1, 256)
     with torch.inference_mode():
         y = lin(x)
-    assert lin._splits[2].shape == (2, 128, 768)  # used, and a view: no copy of the weight
-    assert lin._splits[2].data_ptr() == lin.weight.data_ptr()
+    assert lin._split(2).shape == (2, 128, 768)  # used, and a view: no copy of the weight
+    assert lin._split(2).data_ptr() == lin.weight.data_ptr()
     assert y.shape == (1, 1, 768)
     exact = F.linear(x.double(), lin.weight.double())
     assert (y.double() - exact).abs().max().item() <= 1e-4
     threads(4)
     with torch.inference_mode():
         assert (lin(x).double() - exact).abs().max().item() <= 1e-4
-    assert lin._splits[4].shape == (4, 64, 768)
+    assert lin._split(4).shape == (4, 64, 768)
 
 
 def test_the_split_is_rebuilt_when_the_weight_changes(threads):
@@ -81,7 +81,7 @@ def test_rows_gradients_and_one_thread_take_the_plain_product(threads):
     with torch.inference_mode():
         one = torch.randn(1, 256)
         assert torch.equal(lin(one), F.linear(one, lin.weight))
-    assert not lin.__dict__.get("_splits")
+    assert "_split_held" not in lin.__dict__
     threads(2)
     lin.weight.requires_grad_(True)
     one = torch.randn(1, 256, requires_grad=True)
@@ -97,7 +97,7 @@ def test_fused_projections_split_too(threads):
     x = torch.randn(1, 1, 256)
     with torch.inference_mode():
         a, b = fused.forward_split(x)
-    assert fused._splits[2] is not None
+    assert fused.__dict__["_split_held"][2] is not None
     assert (torch.cat([a, b], -1) - F.linear(x, w)).abs().max().item() <= 1e-4
 
 

@@ -45,22 +45,24 @@ class Linear(Direct, nn.Linear):
             blocks = self._split(torch.get_num_threads())
             if blocks is not None:
                 y = torch.bmm(x.reshape(blocks.shape[0], 1, -1), blocks).sum(0)
-                if self.bias is not None:
-                    y = y + self.bias
+                bias = self._parameters["bias"]
+                if bias is not None:
+                    y = y + bias
                 return y.view(*x.shape[:-1], self.out_features)
         return linear(x, self.weight, self.bias)
 
     def _split(self, threads: int) -> torch.Tensor | None:
         """The weight as [parts, in/parts, out] blocks for this many threads (a view, kept while
-        the weight keeps its storage), or None when the split does not apply."""
+        the weight keeps its storage and the thread count stays), or None when the split does not
+        apply. (Parameters are read from `_parameters`: `nn.Module.__getattr__` costs more than
+        the check, on every projection of every decode step.)"""
         if threads < 2:
             return None
-        held = self.__dict__.setdefault("_splits", {})
-        w = self.weight
-        blocks = held.get(threads, False)
-        if blocks is False or (blocks is not None and blocks.data_ptr() != w.data_ptr()):
-            blocks = held[threads] = split_blocks(w, threads)
-        return blocks
+        w = self._parameters["weight"]
+        held = self.__dict__.get("_split_held")
+        if held is None or held[0] != threads or held[1] != w.data_ptr():
+            held = self.__dict__["_split_held"] = (threads, w.data_ptr(), split_blocks(w, threads))
+        return held[2]
 
 
 def split_blocks(w: torch.Tensor, threads: int) -> torch.Tensor | None:
