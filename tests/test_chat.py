@@ -247,6 +247,12 @@ def test_hcw_chat_in_a_real_terminal(model_dir, tmp_path):
         wait_for("segment states")
         subprocess.run(["tmux", "send-keys", "-t", name, "The code for Mira is 4821.", "Enter"], check=True)
         wait_for("outcome: miss", "2 · assistant", "turns 1")
+        # the model runs in a process of the app's own (workbench/remote.py), not beside the UI thread
+        import psutil
+
+        pane = int(subprocess.run(["tmux", "display", "-p", "-t", name, "#{pane_pid}"], capture_output=True,
+                                  text=True).stdout.strip())
+        assert any("multiprocessing" in " ".join(c.cmdline()) for c in psutil.Process(pane).children(recursive=True))
         subprocess.run(["tmux", "send-keys", "-t", name, "C-q"], check=True)
         end = time.monotonic() + 30
         while time.monotonic() < end and name in subprocess.run(["tmux", "ls"], capture_output=True,

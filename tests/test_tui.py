@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
+from workbench.remote import RemoteSession
 from workbench.session import ChatOptions, ChatSession
 from workbench.tui.app import ChatApp
 from workbench.tui.branches import BranchTree
@@ -29,9 +30,10 @@ def model_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("mixed"), hcw_hybrid_dict(hidden=64), seed=3)
 
 
-def _app(model_dir, db, **kw) -> ChatApp:
+def _app(model_dir, db, remote: bool = False, **kw) -> ChatApp:
+    """The app over a session in this process, or (remote, what `hcw chat` runs) in a child process."""
     opts = ChatOptions(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw)
-    return ChatApp(ChatSession(opts))
+    return ChatApp(RemoteSession(opts) if remote else ChatSession(opts))
 
 
 async def _say(app: ChatApp, pilot, text: str) -> None:
@@ -60,9 +62,10 @@ def _text(widget) -> str:
     return str(widget.render())
 
 
-def test_turns_update_every_pane(model_dir, tmp_path):
+@pytest.mark.parametrize("remote", [False, True], ids=["in-process", "engine-process"])
+def test_turns_update_every_pane(model_dir, tmp_path, remote):
     async def scenario():
-        app = _app(model_dir, tmp_path / "a.db")
+        app = _app(model_dir, tmp_path / "a.db", remote)
         async with app.run_test(size=(160, 50)) as pilot:
             await _say(app, pilot, FACT)
             views = list(app.query(MessageView))
@@ -88,11 +91,12 @@ def test_turns_update_every_pane(model_dir, tmp_path):
     asyncio.run(scenario())
 
 
-def test_quit_while_generating_cancels_first_and_keeps_the_partial_answer(model_dir, tmp_path):
+@pytest.mark.parametrize("remote", [False, True], ids=["in-process", "engine-process"])
+def test_quit_while_generating_cancels_first_and_keeps_the_partial_answer(model_dir, tmp_path, remote):
     db = tmp_path / "q.db"
 
     async def scenario():
-        app = _app(model_dir, db)
+        app = _app(model_dir, db, remote)
         # an answer far longer than the quit takes to arrive (the worker never waits for the screen)
         app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=20000, ignore_eos=True)
         async with app.run_test(size=(160, 50)) as pilot:

@@ -188,6 +188,7 @@ def chat(
 ) -> None:
     """Chat with a model: the Textual workbench on a terminal, a line-based REPL otherwise."""
     from engine.config import ConfigError
+    from workbench.remote import EngineProcessError, RemoteSession
     from workbench.session import ChatOptions, ChatSession, parse_budget
 
     import sqlite3
@@ -196,12 +197,14 @@ def chat(
         opts = ChatOptions(model=model, db=db, session=session, reuse=reuse, max_new_tokens=max_new_tokens,
                            greedy=not sample, replay_budget=(budget := parse_budget(replay_budget)),
                            replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3)
-        chat_session = ChatSession(opts)
-    except (ConfigError, ValueError, KeyError) as e:
+        line_based = plain or as_json or not sys.stdin.isatty()
+        # the workbench generates in a process of its own, so that drawing never holds up decoding
+        chat_session = ChatSession(opts) if line_based else RemoteSession(opts)
+    except (ConfigError, ValueError, KeyError, EngineProcessError) as e:
         _fail(e.args[0] if e.args else str(e))
     except (sqlite3.DatabaseError, OSError) as e:
         _fail(f"cannot open the workbench database {db or '(default)'}: {e}")
-    if plain or as_json or not sys.stdin.isatty():
+    if line_based:
         from workbench.plain import run_plain
 
         raise typer.Exit(run_plain(chat_session, sys.stdin, sys.stdout, as_json))

@@ -1,9 +1,11 @@
-"""`hcw chat` on a terminal: the Textual workbench over one ChatSession.
+"""`hcw chat` on a terminal: the Textual workbench over one ChatSession, which `hcw chat` runs in a
+process of its own (`workbench/remote.py`: drawing never holds the GIL the decode needs).
 
-Generation runs in a worker thread and streams into the conversation pane; Esc cancels it (the
-partial answer is kept). The worker never waits for the screen: it appends text deltas to a buffer
-that the UI thread drains into the answer STREAM_HZ times a second. Every answered turn is already
-in the database when the next one starts, so quitting (Ctrl-Q, or Ctrl-C) never loses one. `/commands` typed in the prompt and the command
+Generation runs in a worker thread (over a RemoteSession it waits on the child's stream) and
+streams into the conversation pane; Esc cancels it (the partial answer is kept). The worker never
+waits for the screen: it appends text deltas to a buffer that the UI thread drains into the answer
+STREAM_HZ times a second. Every answered turn is already in the database when the next one starts,
+so quitting (Ctrl-Q, or Ctrl-C) never loses one. `/commands` typed in the prompt and the command
 palette (Ctrl-P) share the plain REPL's commands.
 """
 

@@ -1,0 +1,255 @@
+"""The workbench's ChatSession in a child process: the TUI's process only draws.
+
+In one process, the UI thread's Python (laying out and drawing the streamed answer, ~7% of a core
+on hcw-tiny) holds the GIL that the generating thread needs between torch ops, and every time it
+does the decode waits: the TUI generated 8-13% slower than the plain REPL. In two processes they
+share nothing but the machine: on 2 cores, decoding on one thread beside a process running the
+app's streaming load was 3% slower than alone (benchmarks/tui_responsiveness.py).
+
+`RemoteSession` has the interface the app and the /commands use: the same methods (forwarded, with
+their exceptions re-raised here), `conversation`, `thread` and `opts` (refreshed from every reply;
+setting `opts` sets the child's), `store` and `stats` (their methods forwarded). Two pipes: turns
+(send / regenerate, whose text deltas stream back and whose cancel is a shared event) go over one,
+served by a thread of their own in the child, and everything else over the other, so the stats
+line can be read while an answer streams, as it is in one process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from store.db import default_home
+from workbench.session import ChatOptions, ChatSession
+
+DELTA_INTERVAL_S = 0.02  # the child batches an answer's text deltas: at most one message per this long
+START_TIMEOUT_S = 600.0  # loading a model in the child
+
+
+class EngineProcessError(RuntimeError):
+    """The child process ended, or could not start."""
+
+
+def log_path(opts: ChatOptions) -> Path:
+    """Where the child's stdout and stderr go (beside the workbench file): nothing it prints may
+    draw over the app's screen, and a crash's last words stay readable."""
+    return (Path(opts.db).parent if opts.db is not None else default_home()) / "hcw-engine.log"
+
+
+class RemoteSession:
+    def __init__(self, opts: ChatOptions, start_timeout_s: float = START_TIMEOUT_S):
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
+        self._turns, turns_child = ctx.Pipe()
+        self._control, control_child = ctx.Pipe()
+        self._cancel = ctx.Event()
+        self._process = ctx.Process(target=_serve, args=(opts, turns_child, control_child, self._cancel),
+                                    name="hcw-engine", daemon=True)
+        self._process.start()
+        turns_child.close()
+        control_child.close()
+        self._control_lock = threading.Lock()
+        self._turn_lock = threading.Lock()
+        self.conversation = self.thread = None
+        self._opts = opts
+        self.store = _Forward(self, "store")
+        self.stats = _Forward(self, "stats")
+        self._reply(self._control, start_timeout_s)  # the session is built, or its error raised here
+
+    # ---- attributes --------------------------------------------------------------------
+    @property
+    def opts(self) -> ChatOptions:
+        return self._opts
+
+    @opts.setter
+    def opts(self, opts: ChatOptions) -> None:
+        self._request("set_opts", opts)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    # ---- calls -------------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in _METHODS:
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._request("call", name, args, kwargs)
+
+    def send(self, text: str, on_text=None, should_stop=None):
+        return self._turn("send", (text,), on_text, should_stop)
+
+    def regenerate(self, on_text=None, should_stop=None):
+        return self._turn("regenerate", (), on_text, should_stop)
+
+    def close(self) -> None:
+        """Closes the session in the child (its last writes flushed) and waits for it to end."""
+        if not self._process.is_alive():
+            return
+        try:
+            self._request("close")
+        except EngineProcessError:
+            pass  # it ended meanwhile: nothing left to close
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._turns.close()
+        self._control.close()
+
+    def _ended(self) -> EngineProcessError:
+        return EngineProcessError(f"the engine process ended (exit code {self._process.exitcode}; "
+                                  f"its output is in {log_path(self._opts)})")
+
+    def _request(self, op: str, *payload) -> Any:
+        with self._control_lock:
+            self._put(self._control, (op, *payload))
+            return self._reply(self._control, None)
+
+    def _turn(self, name: str, args: tuple, on_text, should_stop):
+        with self._turn_lock:
+            self._cancel.clear()
+            self._put(self._turns, (name, args))
+            while True:
+                if self._turns.poll(0.02):
+                    message = self._get(self._turns)
+                    if message[0] == "delta":
+                        if on_text is not None:
+                            on_text(message[1])
+                        continue
+                    return self._result(message)
+                if should_stop is not None and should_stop():
+                    self._cancel.set()  # the child stops at its next token and answers as usual
+                if not self._process.is_alive():
+                    raise self._ended()
+
+    def _reply(self, conn, timeout_s: float | None):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not conn.poll(0.05):
+            if not self._process.is_alive():
+                raise self._ended()
+            if deadline is not None and time.monotonic() > deadline:
+                self._process.kill()
+                raise EngineProcessError(f"the engine process did not start within {timeout_s:.0f} s")
+        return self._result(self._get(conn))
+
+    def _result(self, message):
+        kind, value, snapshot = message
+        if snapshot is not None:
+            self.conversation, self.thread, self._opts = snapshot
+        if kind == "error":
+            raise value
+        return value
+
+    def _put(self, conn, message) -> None:
+        try:
+            conn.send(message)
+        except (BrokenPipeError, EOFError, OSError) as e:
+            raise self._ended() from e
+
+    def _get(self, conn):
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._ended() from e
+
+
+class _Forward:
+    """`session.store` / `session.stats` of the child: each method call forwarded."""
+
+    def __init__(self, owner: RemoteSession, name: str):
+        self._owner, self._name = owner, name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return lambda *args, **kwargs: self._owner._request("call", f"{self._name}.{attr}", args, kwargs)
+
+
+# what the app and plain's /commands call on a session (send and regenerate are turns)
+_METHODS = {"path", "fork", "edit", "switch", "resume", "segments", "fault", "save", "cold_answer", "prompt_ids"}
+
+
+# ---- the child ------------------------------------------------------------------------------
+def _serve(opts: ChatOptions, turns, control, cancel) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the app; it closes us
+    log = log_path(opts)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:  # file descriptors 1 and 2: what C libraries print goes there too
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    try:
+        session = ChatSession(opts)
+    except BaseException as e:
+        control.send(("error", _portable(e), None))
+        return
+    control.send(("ok", None, _snapshot(session)))
+    threading.Thread(target=_serve_turns, args=(session, turns, cancel), name="turns", daemon=True).start()
+    while True:
+        try:
+            op, *payload = control.recv()
+        except EOFError:  # the app's process is gone
+            session.close()
+            return
+        try:
+            if op == "close":
+                session.close()
+                control.send(("ok", None, None))
+                return
+            if op == "set_opts":
+                session.opts = payload[0]
+                value = None
+            else:
+                name, args, kwargs = payload
+                target = session
+                for part in name.split("."):
+                    target = getattr(target, part)
+                value = target(*args, **kwargs)
+            control.send(("ok", value, _snapshot(session)))
+        except Exception as e:
+            control.send(("error", _portable(e), _snapshot(session)))
+
+
+def _serve_turns(session: ChatSession, turns, cancel) -> None:
+    while True:
+        try:
+            name, args = turns.recv()
+        except EOFError:
+            return
+        pending: list[str] = []
+        last = time.monotonic()
+
+        def on_text(delta: str) -> None:
+            nonlocal last
+            pending.append(delta)
+            now = time.monotonic()
+            if now - last >= DELTA_INTERVAL_S:
+                turns.send(("delta", "".join(pending)))
+                pending.clear()
+                last = now
+
+        try:
+            result = getattr(session, name)(*args, on_text, cancel.is_set)
+            reply = ("ok", result, _snapshot(session))
+        except Exception as e:
+            reply = ("error", _portable(e), _snapshot(session))
+        if pending:
+            turns.send(("delta", "".join(pending)))
+        turns.send(reply)
+
+
+def _snapshot(session: ChatSession) -> tuple:
+    return session.conversation, session.thread, session.opts
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The exception itself when it survives pickling, else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
