@@ -131,3 +131,26 @@ def test_small_products_autograd_and_other_dtypes_keep_f_linear():
     x, w = torch.randn(512, 256, requires_grad=True), torch.randn(768, 256, requires_grad=True)
     assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(x, w).sum().backward())
     assert x.grad is not None and w.grad is not None
+
+
+def test_one_row_stays_off_onednn_and_a_strided_bias_too(threads):
+    threads(1)  # no split at one thread: the row goes to F.linear, not oneDNN's fixed cost
+    w = torch.randn(4096, 256).t().contiguous().t()
+    one = torch.randn(1, 1, 256)
+    assert one.numel() * w.shape[0] >= ONEDNN_MIN_MACS
+    with torch.inference_mode():
+        assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(one, w))
+        rows = torch.randn(64, 256)
+        strided = torch.randn(4096, 2)[:, 0]  # oneDNN reads a bias as contiguous
+        assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(rows, w, strided))
+        assert torch.equal(linear(rows, w, strided), F.linear(rows, w, strided))
+
+
+def test_moving_the_weight_drops_the_held_split(threads):
+    threads(2)
+    lin = _layer()
+    with torch.inference_mode():
+        lin(torch.randn(1, 256))
+    assert lin.__dict__["_split_held"][2] is not None
+    lin.to(torch.float64)  # the old fp32 storage must not stay alive behind the module
+    assert "_split_held" not in lin.__dict__

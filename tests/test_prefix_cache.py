@@ -406,6 +406,20 @@ def test_an_edit_near_the_end_of_a_long_prompt_resumes_at_the_boundary_before_it
         run.finish()
 
 
+def test_no_tail_and_no_request_ends_keep_no_snapshot_before_the_prompt_end(model):
+    """checkpoint_tail=0 keeps nothing of its own: with request ends and branch points off too and
+    K past the prompt, no boundary keeps its snapshots and a resume recomputes (the simulated
+    vLLM-style baseline of benchmarks/cache_reuse.py relies on it)."""
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=100, checkpoint_tail=0,
+                                           checkpoint_request_end=False, checkpoint_branch_point=False))
+    engine = Engine(model, cache=cache)
+    prompt = torch.randint(0, 97, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine.start(prompt).finish()
+    run = engine.start(prompt + [4, 5])
+    assert run.plan.usable_tokens == 0
+    assert (run.logits - _cold_logits(model, prompt + [4, 5])).abs().max().item() <= 1e-4
+
+
 def test_checkpoint_tail_must_not_be_negative():
     with pytest.raises(ValueError, match="checkpoint_tail"):
         CacheConfig(checkpoint_tail=-1)

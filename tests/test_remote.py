@@ -78,8 +78,9 @@ def test_the_child_prints_to_its_log_not_over_the_app(model_dir, tmp_path, capfd
     finally:
         session.close()
     out, err = capfd.readouterr()
-    assert out == "" and err == ""
-    assert log_path(session.opts) == tmp_path / "hcw-engine.log" and log_path(session.opts).is_file()
+    assert out == "" and err == ""  # the child's own line went to the log, not to this terminal
+    assert log_path(session.opts) == tmp_path / "hcw-engine.log"
+    assert f"hcw engine process {session.pid}:" in log_path(session.opts).read_text()
 
 
 def test_options_set_here_reach_the_child(remote):
@@ -110,3 +111,41 @@ def test_a_child_that_died_is_reported(model_dir, tmp_path):
     with pytest.raises(EngineProcessError, match="ended"):
         session.path()
     session.close()  # nothing left to close: returns
+
+
+def test_a_child_that_dies_mid_turn_ends_the_turn_with_an_error(model_dir, tmp_path):
+    session = RemoteSession(_opts(model_dir, tmp_path / "m.db", max_new_tokens=20000, ignore_eos=True))
+    seen: list[str] = []
+
+    def on_text(delta: str) -> None:
+        if not seen:
+            os.kill(session.pid, signal.SIGKILL)
+        seen.append(delta)
+
+    with pytest.raises(EngineProcessError, match="ended"):
+        session.send(FACT, on_text)
+    session.close()
+    assert not session._process.is_alive() and session._process.exitcode == -signal.SIGKILL
+
+
+def test_a_turn_result_that_cannot_be_sent_back_still_ends_the_turn():
+    """The child's turn thread, over a real pipe, with a session whose answer does not pickle."""
+    import multiprocessing
+    import threading
+
+    from workbench.remote import _serve_turns
+
+    class Stub:
+        conversation = thread = opts = None
+
+        def send(self, text, on_text, should_stop):
+            on_text("partial")
+            return lambda: None  # functions do not pickle
+
+    here, child = multiprocessing.Pipe()
+    threading.Thread(target=_serve_turns, args=(Stub(), child, threading.Event()), daemon=True).start()
+    here.send(("send", ("hi",)))
+    assert here.recv()[:2] == ("delta", "partial")
+    kind, error, _ = here.recv()
+    assert kind == "error" and "could not be sent back" in str(error)
+    here.close()

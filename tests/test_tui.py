@@ -449,3 +449,23 @@ def test_the_app_decodes_with_a_core_left_to_its_own_thread(model_dir, tmp_path)
     chosen = ChatApp(ChatSession(ChatOptions(model=model_dir, db=tmp_path / "d.db", decode_threads=3)))
     assert chosen.session.opts.decode_threads == 3  # a choice the user made is kept
     chosen.session.close()
+
+
+def test_the_app_exits_saying_so_when_the_engine_process_dies(model_dir, tmp_path):
+    import dataclasses
+    import os
+    import signal
+
+    async def scenario():
+        app = _app(model_dir, tmp_path / "x.db", remote=True)
+        app.session.opts = dataclasses.replace(app.session.opts, max_new_tokens=20000, ignore_eos=True)
+        async with app.run_test(size=(160, 50)) as pilot:
+            app.run_command(FACT)
+            while app.busy and not app.query(MessageView)[-1].source:  # the answer has started
+                await pilot.pause(0.02)
+            os.kill(app.session.pid, signal.SIGKILL)
+            while app.return_code is None:
+                await pilot.pause(0.02)
+        return app.return_code
+
+    assert asyncio.run(scenario()) == 1

@@ -210,7 +210,9 @@ def chat(
         raise typer.Exit(run_plain(chat_session, sys.stdin, sys.stdout, as_json))
     from workbench.tui.app import ChatApp
 
-    ChatApp(chat_session).run()
+    workbench = ChatApp(chat_session)
+    workbench.run()
+    raise typer.Exit(workbench.return_code or 0)  # 1 when the engine's process died under it
 
 
 @app.command("train-tiny")

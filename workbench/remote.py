@@ -2,12 +2,12 @@
 
 In one process, the UI thread's Python (laying out and drawing the streamed answer, ~7% of a core
 on hcw-tiny) holds the GIL that the generating thread needs between torch ops, and every time it
-does the decode waits: the TUI generated 8-13% slower than the plain REPL. In two processes they
-share nothing but the machine: on 2 cores, decoding on one thread beside a process running the
-app's streaming load was 3% slower than alone (benchmarks/tui_responsiveness.py).
+does the decode waits: the TUI generated 8-18% slower than the plain REPL on hcw-tiny. In two
+processes they share nothing but the machine: 1.2-4.5% slower than the plain REPL in two full runs
+of benchmarks/tui_responsiveness.py.
 
-`RemoteSession` has the interface the app and the /commands use: the same methods (forwarded, with
-their exceptions re-raised here), `conversation`, `thread` and `opts` (refreshed from every reply;
+`RemoteSession` has the interface the app and the /commands use: every public ChatSession method
+(forwarded, with its exceptions re-raised here; `EngineProcessError` when the child is gone), `conversation`, `thread` and `opts` (refreshed from every reply;
 setting `opts` sets the child's), `store` and `stats` (their methods forwarded). Two pipes: turns
 (send / regenerate, whose text deltas stream back and whose cancel is a shared event) go over one,
 served by a thread of their own in the child, and everything else over the other, so the stats
@@ -16,6 +16,7 @@ line can be read while an answer streams, as it is in one process.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import pickle
@@ -57,9 +58,14 @@ class RemoteSession:
         self._turn_lock = threading.Lock()
         self.conversation = self.thread = None
         self._opts = opts
+        self._seen = -1  # the newest snapshot of the child's session applied here
         self.store = _Forward(self, "store")
         self.stats = _Forward(self, "stats")
-        self._reply(self._control, start_timeout_s)  # the session is built, or its error raised here
+        try:
+            self._reply(self._control, start_timeout_s)  # the session is built, or its error raised here
+        except BaseException:
+            self._end()
+            raise
 
     # ---- attributes --------------------------------------------------------------------
     @property
@@ -88,20 +94,24 @@ class RemoteSession:
 
     def close(self) -> None:
         """Closes the session in the child (its last writes flushed) and waits for it to end."""
-        if not self._process.is_alive():
-            return
-        try:
-            self._request("close")
-        except EngineProcessError:
-            pass  # it ended meanwhile: nothing left to close
-        self._process.join(30)
+        if self._process.is_alive():
+            try:
+                self._request("close")
+            except EngineProcessError:
+                pass  # it ended meanwhile: nothing left to close
+            self._process.join(30)
+        self._end()
+
+    def _end(self) -> None:
+        """The child gone (killed if it is still there) and reaped, the pipes closed."""
         if self._process.is_alive():
             self._process.kill()
-            self._process.join()
+        self._process.join()
         self._turns.close()
         self._control.close()
 
     def _ended(self) -> EngineProcessError:
+        self._process.join(1.0)  # its exit code, once it is reaped
         return EngineProcessError(f"the engine process ended (exit code {self._process.exitcode}; "
                                   f"its output is in {log_path(self._opts)})")
 
@@ -115,16 +125,16 @@ class RemoteSession:
             self._cancel.clear()
             self._put(self._turns, (name, args))
             while True:
-                if self._turns.poll(0.02):
-                    message = self._get(self._turns)
-                    if message[0] == "delta":
-                        if on_text is not None:
-                            on_text(message[1])
-                        continue
-                    return self._result(message)
+                # asked on every pass, deltas or not: a steady stream must not starve a cancel
                 if should_stop is not None and should_stop():
                     self._cancel.set()  # the child stops at its next token and answers as usual
-                if not self._process.is_alive():
+                if self._turns.poll(0.02):
+                    message = self._get(self._turns)
+                    if message[0] != "delta":
+                        return self._result(message)
+                    if on_text is not None:
+                        on_text(message[1])
+                elif not self._process.is_alive():
                     raise self._ended()
 
     def _reply(self, conn, timeout_s: float | None):
@@ -139,8 +149,10 @@ class RemoteSession:
 
     def _result(self, message):
         kind, value, snapshot = message
-        if snapshot is not None:
-            self.conversation, self.thread, self._opts = snapshot
+        # replies on the two pipes can cross (the stats line read during a turn): only a newer
+        # snapshot of the child's session replaces what is mirrored here
+        if snapshot is not None and snapshot[0] > self._seen:
+            self._seen, self.conversation, self.thread, self._opts = snapshot
         if kind == "error":
             raise value
         return value
@@ -170,8 +182,9 @@ class _Forward:
         return lambda *args, **kwargs: self._owner._request("call", f"{self._name}.{attr}", args, kwargs)
 
 
-# what the app and plain's /commands call on a session (send and regenerate are turns)
-_METHODS = {"path", "fork", "edit", "switch", "resume", "segments", "fault", "save", "cold_answer", "prompt_ids"}
+# every public method of a ChatSession; send and regenerate are turns, close ends the child
+_METHODS = {name for name, value in vars(ChatSession).items()
+            if not name.startswith("_") and callable(value)} - {"send", "regenerate", "close"}
 
 
 # ---- the child ------------------------------------------------------------------------------
@@ -182,6 +195,7 @@ def _serve(opts: ChatOptions, turns, control, cancel) -> None:
     with open(log, "a") as f:  # file descriptors 1 and 2: what C libraries print goes there too
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} hcw engine process {os.getpid()}: {opts.model}", flush=True)
     try:
         session = ChatSession(opts)
     except BaseException as e:
@@ -239,11 +253,18 @@ def _serve_turns(session: ChatSession, turns, cancel) -> None:
             reply = ("error", _portable(e), _snapshot(session))
         if pending:
             turns.send(("delta", "".join(pending)))
-        turns.send(reply)
+        try:
+            turns.send(reply)
+        except Exception as e:  # a result that does not pickle: the app must still hear the turn end
+            turns.send(("error", RuntimeError(f"the turn's result could not be sent back: {e}"), _snapshot(session)))
+
+
+_SNAPSHOTS = itertools.count()
 
 
 def _snapshot(session: ChatSession) -> tuple:
-    return session.conversation, session.thread, session.opts
+    """(a number that grows with every snapshot, the conversation, the thread, the options)."""
+    return next(_SNAPSHOTS), session.conversation, session.thread, session.opts
 
 
 def _portable(error: BaseException) -> BaseException:

@@ -469,7 +469,7 @@ class RequestWriter:
         tail_from = self.prompt_end - cfg.checkpoint_tail * self.cache.block_size
         for key, j in self.captured:
             end = (j + 1) * self.cache.block_size
-            if key in keep or (j + 1) % every == 0 or tail_from <= end <= self.prompt_end:
+            if key in keep or (j + 1) % every == 0 or (cfg.checkpoint_tail and tail_from <= end < self.prompt_end):
                 continue
             self.cache.table.drop(key, lambda layer, kind, piece: not piece.per_segment)
         # the end of every turn: what was answered is on the lower tier before the next one

@@ -51,6 +51,11 @@ class Linear(Direct, nn.Linear):
                 return y.view(*x.shape[:-1], self.out_features)
         return linear(x, self.weight, self.bias)
 
+    def _apply(self, fn, recurse: bool = True):
+        # .to(), .half(), .cuda() replace the weight: a held view would keep the old storage alive
+        self.__dict__.pop("_split_held", None)
+        return super()._apply(fn, recurse)
+
     def _split(self, threads: int) -> torch.Tensor | None:
         """The weight as [parts, in/parts, out] blocks for this many threads (a view, kept while
         the weight keeps its storage and the thread count stays), or None when the split does not
@@ -81,7 +86,9 @@ def split_blocks(w: torch.Tensor, threads: int) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; a CPU fp32 product of several rows, outside autograd, through oneDNN.
+    """F.linear; a CPU fp32 product of several rows, outside autograd, through oneDNN (one row
+    stays with F.linear: oneDNN's fixed cost per call is more than a one-row product saves, and its
+    bias must be contiguous).
 
     torch's CPU matmul is MKL's sgemm, which on AMD processors runs far below what the cores
     can do; oneDNN's inner product (the kernel torch's own compiler emits for CPU linears) runs
@@ -89,6 +96,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     machine (an AMD EPYC). Same fp32 arithmetic, a different summation order. oneDNN has no
     autograd, so training keeps F.linear."""
     if (_ONEDNN and x.dtype is torch.float32 and w.dtype is torch.float32 and x.device.type == "cpu"
-            and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS and not torch.is_grad_enabled()):
+            and x.numel() != x.shape[-1] and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
+            and (bias is None or bias.is_contiguous()) and not torch.is_grad_enabled()):
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)

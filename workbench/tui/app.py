@@ -5,8 +5,9 @@ Generation runs in a worker thread (over a RemoteSession it waits on the child's
 streams into the conversation pane; Esc cancels it (the partial answer is kept). The worker never
 waits for the screen: it appends text deltas to a buffer that the UI thread drains into the answer
 STREAM_HZ times a second. Every answered turn is already in the database when the next one starts,
-so quitting (Ctrl-Q, or Ctrl-C) never loses one. `/commands` typed in the prompt and the command
-palette (Ctrl-P) share the plain REPL's commands.
+so quitting (Ctrl-Q) never loses one; if the engine's process dies, the app exits saying so (exit
+code 1). `/commands` typed in the prompt and the command palette (Ctrl-P) share the plain REPL's
+commands.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from textual.widgets import Footer, Header, Input, RichLog
 
 from engine.threads import release_idle_team, threads_beside_ui
 from workbench import plain
+from workbench.remote import EngineProcessError
 from workbench.session import ChatSession, TurnResult, fault_names
 from workbench.tui.branches import BranchTree
 from workbench.tui.budget import ReplayBudget
@@ -104,15 +106,27 @@ class ChatApp(App):
     def refresh_views(self, messages: bool = False) -> None:
         s = self.session
         self.sub_title = f"{s.conversation.id} · branch {s.thread.name} · reuse {s.opts.reuse}"
-        if messages:
-            self.query_one(ConversationView).show(s.path())
-        self.query_one(BranchTree).show(s.store, s.conversation.id, s.thread)
-        self.query_one(SegmentTable).update_rows(s.segments())
+        try:
+            if messages:
+                self.query_one(ConversationView).show(s.path())
+            self.query_one(BranchTree).show(s.store, s.conversation.id, s.thread)
+            self.query_one(SegmentTable).update_rows(s.segments())
+        except EngineProcessError as e:
+            self.engine_lost(e)
+            return
         self.refresh_stats()
 
     def refresh_stats(self) -> None:
         for bar in self.query(StatsBar):  # none while the screen is being torn down (the timer may still fire)
-            bar.show(stats_line(self.session.stats.as_dict()))
+            try:
+                bar.show(stats_line(self.session.stats.as_dict()))
+            except EngineProcessError as e:
+                self.engine_lost(e)
+
+    def engine_lost(self, error: EngineProcessError) -> None:
+        """The engine's process ended under the app: nothing more can be answered. Every answered
+        turn is in the database; the app exits saying why (and where the process's output is)."""
+        self.exit(return_code=1, message=f"hcw chat: {error}")
 
     def log_line(self, text: str) -> None:
         self.query_one(RichLog).write(text)
@@ -128,12 +142,15 @@ class ChatApp(App):
         if self.busy:
             self.log_line("still generating: Esc cancels")
             return
-        if not text.startswith("/"):
-            self.start_turn(lambda on_text, stop: self.session.send(text, on_text, stop), user=text)
-            return
         try:
+            if not text.startswith("/"):
+                self.start_turn(lambda on_text, stop: self.session.send(text, on_text, stop), user=text)
+                return
             quit_now = plain._command(self.session, text, self.log_line, self._answer_command, lambda: self.last,
                                       as_json=False)
+        except EngineProcessError as e:
+            self.engine_lost(e)
+            return
         except (ValueError, KeyError, IndexError) as e:
             self.log_line(f"error: {e.args[0] if e.args else e}")
             return
@@ -198,6 +215,9 @@ class ChatApp(App):
     def turn_failed(self, error: Exception) -> None:
         self.flush_stream()
         self.busy = False
+        if isinstance(error, EngineProcessError):
+            self.engine_lost(error)
+            return
         self.log_line(f"error: {error}")
         self._after_turn()
 
