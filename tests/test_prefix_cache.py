@@ -391,7 +391,7 @@ def test_an_edit_near_the_end_of_a_long_prompt_resumes_at_the_boundary_before_it
     prompt's end keep their snapshots, so the edit replays at most one segment; without the dense
     tail it goes back to the last every-K boundary."""
     cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=4, checkpoint_tail=tail,
-                                           checkpoint_branch_point=False))
+                                           checkpoint_tail_min=160, checkpoint_branch_point=False))
     engine = Engine(model, cache=cache)
     g = torch.Generator().manual_seed(3)
     document = torch.randint(0, 97, (160,), generator=g).tolist()
@@ -420,9 +420,23 @@ def test_no_tail_and_no_request_ends_keep_no_snapshot_before_the_prompt_end(mode
     assert (run.logits - _cold_logits(model, prompt + [4, 5])).abs().max().item() <= 1e-4
 
 
+def test_a_short_prompt_part_gets_no_dense_tail(model):
+    """Below checkpoint_tail_min computed prompt tokens the tail's extra prefill stops would cost
+    more than they save: an edit near the end resumes at the every-K boundary."""
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=4, checkpoint_tail=3,
+                                           checkpoint_tail_min=161, checkpoint_branch_point=False))
+    engine = Engine(model, cache=cache)
+    document = torch.randint(0, 97, (160,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine.start(document).finish()
+    run = engine.start(document[:-10] + [1, 2, 3])
+    assert run.plan.usable_tokens == 128  # not 144: 160 computed tokens are under the minimum
+
+
 def test_checkpoint_tail_must_not_be_negative():
     with pytest.raises(ValueError, match="checkpoint_tail"):
         CacheConfig(checkpoint_tail=-1)
+    with pytest.raises(ValueError, match="checkpoint_tail_min"):
+        CacheConfig(checkpoint_tail_min=-1)
 
 
 def test_shadow_verification_catches_what_validation_cannot_and_answers_cold(model):

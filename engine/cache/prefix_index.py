@@ -80,14 +80,16 @@ class PrefixIndex:
         collisions = 0
         raw = token_bytes(tokens)
         parent = ROOT
+        # (locals: every hit runs this loop once per segment, on the path to its first token)
+        hash_fn, fingerprint, lookup, verify = self.hash_fn, self.fingerprint, self.nodes.get, self.verify_tokens
         for j in range(len(tokens) // b):
             # hashed lazily: nothing past the first miss is hashed
             chunk = raw[8 * j * b:8 * (j + 1) * b]
-            key = parent = self.hash_fn(parent, self.fingerprint, chunk)
-            node = self.nodes.get(key)
+            key = parent = hash_fn(parent, fingerprint, chunk)
+            node = lookup(key)
             if node is None:
                 break
-            if self.verify_tokens and node.data != chunk:
+            if verify and node.data != chunk:
                 collisions += 1
                 break
             found.append(node)

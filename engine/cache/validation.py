@@ -125,16 +125,17 @@ class Validator:
 
         records = []
         unavailable = None
+        get, layout, exact_only = table.get, self.layout, self.policy.mode == "exact"
         for j, node in enumerate(match.segments[:n]):
-            rec = table.get(node.key)
+            rec = get(node.key)
             if rec is None:
                 failures.append(f"layer 3: segment {j} has no state record")
                 unavailable = j
                 break
-            if rec.layout != self.layout:
+            if rec.layout != layout:
                 failures.append(f"layer 2: segment {j} was written under another layout fingerprint")
                 break
-            if not rec.exact and self.policy.mode == "exact":
+            if not rec.exact and exact_only:
                 failures.append(f"layer 3: segment {j} holds approximate (tail-replayed) state; the policy is exact")
                 break
             records.append(rec)
