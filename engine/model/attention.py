@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.cache.states import KVState, PagedKVState, kv_layout
 from engine.config import ModelConfig
+from engine.model import cpu_attention
 from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
 from engine.model.norm import RMSNorm
@@ -96,6 +97,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
             grouped = q.reshape(b, k.shape[1], h // k.shape[1], d)
             return F.scaled_dot_product_attention(grouped, k, v).reshape(b, h, 1, d)
         return F.scaled_dot_product_attention(q, k, v)
+    if cpu_attention.applies(q, k):  # a long CPU fp32 prefill (or replay): oneDNN blocks, base-2 softmax
+        return cpu_attention.causal_attention(q, k, v)
     if total == t:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     q_pos = torch.arange(total - t, total, device=q.device)
