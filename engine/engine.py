@@ -141,7 +141,7 @@ class Engine:
                     state.layers[i].recurrent = torch.zeros_like(state.layers[i].recurrent)
             for a in range(lo, hi, chunk):
                 b = min(a + chunk, hi)
-                self.model(tokens[a - start:b - start], state, last_only=True, replay_from=a)
+                self.model(tokens[a - start:b - start], state, replay_from=a, rebuild_only=True)
 
     @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:

@@ -398,3 +398,39 @@ def test_needle_tasks_put_the_needle_at_the_asked_depth():
         assert positions == sorted(positions) and positions[0] < 0.2 and positions[-1] > 0.8, (kind, positions)
     with pytest.raises(ValueError, match="unknown task kind"):
         needle_task(random.Random(0), 100, 0.5, "haystack")
+
+
+def test_a_replay_runs_no_layer_after_the_last_one_it_rebuilds(qwen):
+    """Layers after the last GDN layer keep nothing from a replay (full attention only reads its
+    cache): the engine's replay stops before them, and the states it rebuilds are bit for bit
+    those of a replay through the whole model."""
+    from engine.cache.states import GDNState
+
+    ids = torch.randint(0, qwen.config.vocab_size, (120,), generator=torch.Generator().manual_seed(4)).tolist()
+    kinds = [isinstance(s, GDNState) for s in qwen.new_state().layers]
+    last = max(i for i, gdn in enumerate(kinds) if gdn)
+    assert last < len(kinds) - 1  # the stack ends in full attention, as Qwen3.5's does
+    ran: list[int] = []
+    hooks = [blk.mixer.register_forward_pre_hook(lambda mod, args, i=i: ran.append(i))
+             for i, blk in enumerate(qwen.layers)]
+    try:
+        engine = Engine(qwen)
+        states = []
+        for rebuild_only in (False, True):
+            state = engine.new_state()
+            engine.prefill(ids, state)
+            for i, gdn in enumerate(kinds):
+                if gdn:
+                    state.layers[i].recurrent = torch.zeros_like(state.layers[i].recurrent)
+            ran.clear()
+            with torch.inference_mode():
+                out = qwen(torch.tensor(ids[80:]), state, replay_from=80, rebuild_only=rebuild_only)
+            assert (out is None) == rebuild_only
+            assert max(ran) == (last if rebuild_only else len(kinds) - 1)
+            states.append([state.layers[i].recurrent.clone() for i, gdn in enumerate(kinds) if gdn])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    with pytest.raises(ValueError, match="rebuild_only"):
+        qwen(torch.tensor(ids[:4]), None, rebuild_only=True)

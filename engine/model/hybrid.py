@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.states import ModelState
+from engine.cache.states import KVState, ModelState, PagedKVState
 from engine.config import V4_KINDS, ModelConfig
 from engine.model.attention import GatedAttention
 from engine.model.direct import Direct, Linear
@@ -115,18 +115,31 @@ class HybridModel(nn.Module):
         return ModelState([blk.mixer.new_state(batch, self.dtype, self.device) for blk in self.layers])
 
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
-                last_only: bool = False, replay_from: int | None = None) -> torch.Tensor:
+                last_only: bool = False, replay_from: int | None = None,
+                rebuild_only: bool = False) -> torch.Tensor | None:
         """Logits for `input_ids` following `state`. With `replay_from`, the ids are positions
         replay_from.. of a prefix the state already holds (Tail-Replay): attention layers read their
-        cached keys and values, never writing them; GDN layers advance; seq_len is unchanged."""
+        cached keys and values, never writing them; GDN layers advance; seq_len is unchanged. With
+        `rebuild_only` too, the layers after the last one whose state a replay rebuilds are not
+        run (they keep nothing from it: full attention only reads its cache, and an MLP keeps
+        nothing) and None is returned: in a 3:1 Qwen3.5 stack the last layer is full attention,
+        the costliest layer of a long replay."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         start = replay_from if replay_from is not None else 0 if state is None else state.seq_len
+        layers = len(self.layers)
+        if rebuild_only:
+            if replay_from is None or state is None:
+                raise ValueError("rebuild_only is for a replay (replay_from) over a state")
+            layers = 1 + max((i for i, s in enumerate(state.layers) if not isinstance(s, (KVState, PagedKVState))),
+                             default=-1)
         x = self.embed_tokens(input_ids)
         if self.hc_head is not None:
             x = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()  # [B, T, N, D]
-        for i, blk in enumerate(self.layers):
+        for i, blk in enumerate(self.layers[:layers]):
             x = blk(x, None if state is None else state.layers[i], start, input_ids)
+        if rebuild_only:
+            return None
         if state is not None and replay_from is None:
             state.seq_len += input_ids.shape[1]
         if last_only:
