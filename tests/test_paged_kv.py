@@ -187,3 +187,16 @@ def test_the_engine_trusts_the_table_it_built_and_direct_calls_are_still_checked
         q = torch.randn(1, 2, layer.k_pool.shape[3])
         with pytest.raises(AssertionError, match="read back"):
             paged.paged_decode(q, layer.k_pool, layer.v_pool, layer.table, layer.lengths)
+
+
+def test_an_assembled_dense_kv_state_takes_the_next_tokens_without_copying_the_prefix():
+    from engine.cache.states import KVState
+
+    parts = [(torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)) for _ in range(40)]
+    state = KVState.empty(1, 2, 8, torch.float32, "cpu").assemble(640, {"kv": parts})
+    assert state.length == 640 and state.k.shape[2] >= 640 + 80  # room for the request's new tokens
+    k_all, v_all = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+    before = state.k.data_ptr()
+    k, v = state.append(torch.ones(1, 2, 64, 8), torch.ones(1, 2, 64, 8))
+    assert state.k.data_ptr() == before  # no regrow: the 640 restored positions were not copied again
+    assert torch.equal(k[:, :, :640], k_all) and torch.equal(v[:, :, :640], v_all) and k.shape[2] == 704

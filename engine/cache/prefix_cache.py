@@ -321,6 +321,7 @@ class PrefixCache:
             for rec in records:
                 self.table.promote(rec, self.model.device)
             versions = [r.version for r in records]
+            device = self.model.device  # (read once: a module attribute lookup per piece added up)
             layers = []
             fresh = self.model.new_state() if plan.replay_from is not None else None
             for i, template in enumerate(self.template.layers):
@@ -344,7 +345,7 @@ class PrefixCache:
                         if piece.position != end:
                             bad, layer_no = f"describes position {piece.position}, not {end}", "layer 1"
                         else:
-                            bad, layer_no = self._check(piece.data, tp.data), "layer 4"
+                            bad, layer_no = self._check(piece.data, tp.data, device), "layer 4"
                         if bad:
                             # a piece compute cannot take is treated as absent: drop it and re-plan
                             self.table.drop(rec.key, lambda layer, k, p, key=(i, kind): (layer, k) == key)
@@ -374,7 +375,7 @@ class PrefixCache:
     def before_use(self, plan: ReusePlan) -> None:
         """Called after assembly, before the state is used; a seam for fault drills."""
 
-    def _check(self, data, template_data) -> str | None:
+    def _check(self, data, template_data, device: torch.device) -> str | None:
         tensors = data if isinstance(data, tuple) else (data,)
         likes = template_data if isinstance(template_data, tuple) else (template_data,)
         if len(tensors) != len(likes):
@@ -382,7 +383,7 @@ class PrefixCache:
         for t, like in zip(tensors, likes):
             if not isinstance(t, torch.Tensor):
                 return f"a part is {type(t).__name__}, not a tensor"
-            why = check_buffer(t, like, self.model.device)
+            why = check_buffer(t, like, device)
             if why:
                 return why
         return None

@@ -148,9 +148,16 @@ class KVState:
         return {"kv": Piece(True, (self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone()))}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> KVState:
+        """One buffer per tensor with room past seq_len (an eighth more, at least 256 positions) for
+        the request's new tokens: appending to an exact-size buffer copied every restored key and
+        value again (~5 ms of a 32K resume)."""
         parts = pieces["kv"]
-        k = torch.cat([p[0] for p in parts], dim=2)
-        v = torch.cat([p[1] for p in parts], dim=2)
+        first = parts[0][0]
+        b, h, _, d = first.shape
+        room = seq_len + max(256, seq_len // 8)
+        k, v = first.new_empty(b, h, room, d), first.new_empty(b, h, room, d)
+        torch.cat([p[0] for p in parts], dim=2, out=k[:, :, :seq_len])
+        torch.cat([p[1] for p in parts], dim=2, out=v[:, :, :seq_len])
         return KVState(k, v, seq_len)
 
 

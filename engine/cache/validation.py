@@ -237,8 +237,9 @@ def check_buffer(t: torch.Tensor, like: torch.Tensor, device: torch.device) -> s
     The GDN recurrent matrix is float32 in every model dtype, so dtype comes from `like` too."""
     if t.dtype != like.dtype:
         return f"dtype {t.dtype} != {like.dtype}"
-    if t.dim() != like.dim() or any(w and a != w for a, w in zip(t.shape, like.shape)):
-        return f"shape {tuple(t.shape)} does not fit {tuple(like.shape)}"
+    shape, want = t.shape, like.shape
+    if len(shape) != len(want) or any(w and a != w for a, w in zip(shape, want)):
+        return f"shape {tuple(shape)} does not fit {tuple(want)}"
     if t.device != device:
         return f"device {t.device} != {device}"
     if not t.is_contiguous():
