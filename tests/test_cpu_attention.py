@@ -83,3 +83,10 @@ def test_a_prefill_through_it_gives_the_logits_of_torchs_kernel(monkeypatch, sma
     state = engine.new_state()
     plain = torch.cat([engine.prefill(ids[:150], state, chunk_size=150)[None], engine.prefill(ids[150:], state)[None]])
     assert (blocked - plain).abs().max().item() <= 1e-4
+
+
+def test_more_queries_than_keys_or_uneven_groups_are_refused():
+    with pytest.raises(ValueError):
+        cpu_attention.causal_attention(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    with pytest.raises(ValueError):
+        cpu_attention.causal_attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))

@@ -200,3 +200,15 @@ def test_an_assembled_dense_kv_state_takes_the_next_tokens_without_copying_the_p
     k, v = state.append(torch.ones(1, 2, 64, 8), torch.ones(1, 2, 64, 8))
     assert state.k.data_ptr() == before  # no regrow: the 640 restored positions were not copied again
     assert torch.equal(k[:, :, :640], k_all) and torch.equal(v[:, :, :640], v_all) and k.shape[2] == 704
+
+
+def test_assembling_pieces_of_the_wrong_total_length_is_refused():
+    # a cat into a view of the wrong length would only warn and scramble heads and positions;
+    # the restore treats the ValueError as pieces that do not assemble and re-plans
+    from engine.cache.states import KVState
+
+    empty = KVState.empty(1, 2, 8, torch.float32, "cpu")
+    for lengths in ([16, 16, 8], [16, 16, 20]):
+        parts = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for n in lengths]
+        with pytest.raises(ValueError, match="positions"):
+            empty.assemble(48, {"kv": parts})

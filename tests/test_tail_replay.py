@@ -427,10 +427,32 @@ def test_a_replay_runs_no_layer_after_the_last_one_it_rebuilds(qwen):
                 out = qwen(torch.tensor(ids[80:]), state, replay_from=80, rebuild_only=rebuild_only)
             assert (out is None) == rebuild_only
             assert max(ran) == (last if rebuild_only else len(kinds) - 1)
-            states.append([state.layers[i].recurrent.clone() for i, gdn in enumerate(kinds) if gdn])
+            states.append([t.clone() for i, gdn in enumerate(kinds) if gdn
+                           for t in (state.layers[i].recurrent, state.layers[i].conv)])
     finally:
         for h in hooks:
             h.remove()
     assert all(torch.equal(a, b) for a, b in zip(*states))
     with pytest.raises(ValueError, match="rebuild_only"):
         qwen(torch.tensor(ids[:4]), None, rebuild_only=True)
+
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "hcw_hybrid"])
+def test_a_resume_that_replays_answers_the_same_with_the_early_stop_or_without(qwen, family, monkeypatch):
+    """An approximate resume (Tail-Replay) through the engine, with the replay stopping after the
+    last layer it rebuilds and with it forced through every layer: the same logits. hcw_hybrid's
+    last rebuilt layer is a DeepSeek-V4 kind (windows, compressor tails), not a GDN layer."""
+    model = qwen if family == "qwen3_5" else _model(hcw_hybrid_dict(hidden=64))
+    run, _, _ = _resume(model, budget=0.5)
+    assert run.plan.replay_from is not None
+    forward = HybridModel.forward
+
+    def every_layer(self, *args, rebuild_only=False, **kwargs):
+        out = forward(self, *args, **kwargs)  # the whole stack, whatever the replay asked
+        return None if rebuild_only else out
+
+    monkeypatch.setattr(HybridModel, "forward", every_layer)
+    again, _, _ = _resume(model, budget=0.5)
+    assert again.plan.replay_from == run.plan.replay_from
+    assert (again.logits - run.logits).abs().max().item() <= 1e-6

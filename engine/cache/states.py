@@ -152,6 +152,9 @@ class KVState:
         the request's new tokens: appending to an exact-size buffer copied every restored key and
         value again (~5 ms of a 32K resume)."""
         parts = pieces["kv"]
+        held = sum(p[0].shape[2] for p in parts)
+        if held != seq_len:  # (cat into a view of the wrong length would scramble it, not fail)
+            raise ValueError(f"the pieces hold {held} positions, not {seq_len}")
         first = parts[0][0]
         b, h, _, d = first.shape
         room = seq_len + max(256, seq_len // 8)
