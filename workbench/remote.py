@@ -44,6 +44,10 @@ def log_path(opts: ChatOptions) -> Path:
 
 
 class RemoteSession:
+    """A ChatSession built from `opts` in a child process, used through the same interface. The
+    constructor returns once the child's session exists (its model loaded), or raises what building
+    it raised; `close()` ends the child after its session is closed."""
+
     def __init__(self, opts: ChatOptions, start_timeout_s: float = START_TIMEOUT_S):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
         self._turns, turns_child = ctx.Pipe()
