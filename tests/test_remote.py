@@ -11,6 +11,7 @@ import signal
 import pytest
 
 from engine.config import ConfigError
+from engine.threads import _libgomp
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
 from workbench.remote import EngineProcessError, RemoteSession, log_path
 from workbench.session import ChatOptions, ChatSession
@@ -80,7 +81,10 @@ def test_the_child_prints_to_its_log_not_over_the_app(model_dir, tmp_path, capfd
     out, err = capfd.readouterr()
     assert out == "" and err == ""  # the child's own line went to the log, not to this terminal
     assert log_path(session.opts) == tmp_path / "hcw-engine.log"
-    assert f"hcw engine process {session.pid}:" in log_path(session.opts).read_text()
+    log = log_path(session.opts).read_text()
+    assert f"hcw engine process {session.pid}:" in log
+    # the thread that loaded the model gave up its idle OpenMP team before turns ran on another
+    assert f"idle OpenMP team released: {_libgomp() is not None}" in log
 
 
 def test_options_set_here_reach_the_child(remote):

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.threads import release_idle_team
 from store.db import default_home
 from workbench.session import ChatOptions, ChatSession
 
@@ -206,6 +207,9 @@ def _serve(opts: ChatOptions, turns, control, cancel) -> None:
         control.send(("error", _portable(e), None))
         return
     control.send(("ok", None, _snapshot(session)))
+    # turns compute on their own thread: this one's idle OpenMP team (it loaded the model) cost a
+    # 2K-token prompt's prefill 2.4x its time (965 -> 409 ms on hcw-tiny-qwen3.5; engine/threads.py)
+    print(f"serving turns; this thread's idle OpenMP team released: {release_idle_team()}", flush=True)
     threading.Thread(target=_serve_turns, args=(session, turns, cancel), name="turns", daemon=True).start()
     while True:
         try:

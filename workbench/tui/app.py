@@ -64,7 +64,7 @@ class ChatApp(App):
 
     def __init__(self, session: ChatSession):
         super().__init__()
-        if session.opts.decode_threads is None:  # this thread draws while the worker decodes
+        if session.opts.decode_threads is None:  # this app draws while the session decodes
             session.opts = dataclasses.replace(session.opts, decode_threads=threads_beside_ui())
         self.session = session
         self.cancel = threading.Event()
