@@ -33,7 +33,8 @@ from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_r
 
 BLOCK = 16
 POLICIES = {
-    "hcw (every 4 segments + request ends + branch points + the last 3 before a 4K+ prompt's end)": dict(checkpoint_every=4),
+    "hcw (every 4 segments + request ends + branch points + the last 3 before a 4K+ prompt's end)":
+        dict(checkpoint_every=4),
     "vLLM-style (aligned blocks of 528 tokens only)": dict(checkpoint_every=528 // BLOCK, checkpoint_request_end=False,
                                                            checkpoint_branch_point=False, checkpoint_tail=0),
     "SGLang-style (request ends only)": dict(checkpoint_every=1 << 30, checkpoint_branch_point=False,

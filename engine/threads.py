@@ -62,11 +62,11 @@ def intra_op_threads(n: int | None):
 
 def threads_beside_ui() -> int:
     """Intra-op threads for decoding while a UI draws (in this process or, as `hcw chat` runs, in
-    another): one core left to the UI. Beside a process running the app's streaming load, hcw-tiny
-    decoded at 407 tok/s on one thread and 352 on two. On 2 cores a UI at ~7% of a core cost a 2-thread decode ~14% of its speed (each op
-    waits for both threads, one of which the UI has preempted) and a 1-thread decode ~9%, while
-    alone the two ran at the same speed: a one-token step of these models is too small to share
-    (benchmarks/tui_responsiveness.py). Measured on 2 cores; on more, one thread fewer than the
-    cores costs a decode at most that thread's share."""
+    another): one core left to the UI. On 2 cores a UI thread at ~7% of a core cost a 2-thread
+    decode ~14% of its speed (each op waits for both threads, one of which the UI has preempted)
+    and a 1-thread decode ~9%, while alone the two ran at the same speed: a one-token step of these
+    models is too small to share (benchmarks/tui_responsiveness.py). Beside a process running the
+    app's streaming load, hcw-tiny decoded at 407 tok/s on one thread and 352 on two. Measured on
+    2 cores; on more, one thread fewer than the cores costs a decode at most that thread's share."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(torch.get_num_threads(), cores - 1))

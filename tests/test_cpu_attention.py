@@ -15,7 +15,7 @@ from engine.model.hybrid import HybridModel
 from engine.config import ModelConfig
 from engine.model.random_init import init_random, qwen3_5_text_dict
 
-pytestmark = pytest.mark.skipif(not cpu_attention._ONEDNN, reason="this torch build has no oneDNN linear")
+pytestmark = pytest.mark.skipif(not cpu_attention.ONEDNN, reason="this torch build has no oneDNN linear")
 
 
 def _reference(q, k, v):

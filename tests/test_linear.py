@@ -107,7 +107,7 @@ def _ops_run(fn) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-@pytest.mark.skipif(not direct._ONEDNN, reason="this torch build has no oneDNN linear")
+@pytest.mark.skipif(not direct.ONEDNN, reason="this torch build has no oneDNN linear")
 def test_several_rows_of_a_large_fp32_product_run_through_onednn_with_one_matmuls_result():
     w = torch.randn(768, 256).t().contiguous().t()  # the loader's CPU layout; [out, in] as well below
     b = torch.randn(768)

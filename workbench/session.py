@@ -115,7 +115,7 @@ class ChatOptions:
     seed: int | None = 0
     block_size: int = 64
     checkpoint_every: int = 4
-    checkpoint_tail: int = 3  # every boundary among the last K before a prompt's end keeps its GDN snapshots
+    checkpoint_tail: int = 3  # of a long prompt (CacheConfig.checkpoint_tail_min), the last K boundaries keep GDN snapshots
     device_budget_mb: int = 1024
     system: str | None = "You are a helpful assistant. Remember what the user tells you."
     decode_threads: int | None = None  # torch intra-op threads while decoding (None: all); the TUI leaves the UI a core

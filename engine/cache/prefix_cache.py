@@ -457,9 +457,9 @@ class RequestWriter:
 
     def finish(self) -> None:
         """Keep boundary snapshots only every K segments, at the request end, at the branch point
-        (the first boundary this request wrote) and at the last `checkpoint_tail` boundaries
-        before the prompt's end of a long prompt part (so an edit near the end of a long prompt, a new question after
-        a document, replays at most one segment); drop the others it wrote."""
+        (the first boundary this request wrote) and, for a long prompt part, at the last
+        `checkpoint_tail` boundaries before the prompt's end (so an edit near it, a new question
+        after a document, replays at most one segment); drop the others it wrote."""
         if self.ticket is not None:
             self.cache.admission.release(self.ticket)
             self.ticket = None

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from engine.model.direct import _ONEDNN
+from engine.model.direct import ONEDNN
 
 Q_BLOCK = 512
 K_BLOCK = 1024
@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 
 def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     """q [B, H, T, D], k [B, Hkv, N, D]: a CPU fp32 product outside autograd, large enough."""
-    return (_ONEDNN and q.device.type == "cpu" and q.dtype is torch.float32 and k.dtype is torch.float32
+    return (ONEDNN and q.device.type == "cpu" and q.dtype is torch.float32 and k.dtype is torch.float32
             and q.shape[2] >= MIN_QUERIES and q.shape[2] * k.shape[2] >= MIN_PAIRS and not torch.is_grad_enabled())
 
 
@@ -60,21 +60,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
                 qb = (q[bi, hi * g:(hi + 1) * g, i0:i0 + rows] * scale).reshape(g * rows, d)
                 first = offset + i0  # the block's first row's position; its last row sees keys < first + rows
                 # the keys [first, first + rows) hold the causal triangle: one block, masked, taken first
-                # (every row sees its own position there, so the running maximum starts finite);
+                # (every row sees its own position there, so the running maximum starts finite)
+                s = linear(qb, keys[first:first + rows], None, "none", [], "")  # [G x rows, rows]
+                later = torch.ones(rows, rows, dtype=torch.bool).triu_(1)
+                s.view(g, rows, rows).masked_fill_(later, -math.inf)
+                best = s.amax(-1, keepdim=True)
+                s.sub_(best).clamp_(min=-100.0).view(g, rows, rows).masked_fill_(later, -math.inf)
+                torch.exp2(s, out=s)
+                total = s.sum(-1, keepdim=True)
+                acc = linear(s, values[first:first + rows].t(), None, "none", [], "")
                 # the keys before `first` are visible to every row: blocks of K_BLOCK, no mask
-                spans = [(first, first + rows)] + [(j0, min(j0 + K_BLOCK, first)) for j0 in range(0, first, K_BLOCK)]
-                best = total = acc = None
-                for j0, j1 in spans:
+                for j0 in range(0, first, K_BLOCK):
+                    j1 = min(j0 + K_BLOCK, first)
                     s = linear(qb, keys[j0:j1], None, "none", [], "")  # [G x rows, j1 - j0]
-                    if j0 == first:
-                        later = torch.ones(rows, rows, dtype=torch.bool).triu_(1)
-                        s.view(g, rows, rows).masked_fill_(later, -math.inf)
-                        best = s.amax(-1, keepdim=True)
-                        s.sub_(best).clamp_(min=-100.0).view(g, rows, rows).masked_fill_(later, -math.inf)
-                        torch.exp2(s, out=s)
-                        total = s.sum(-1, keepdim=True)
-                        acc = linear(s, values[j0:j1].t(), None, "none", [], "")
-                        continue
                     new_best = torch.maximum(best, s.amax(-1, keepdim=True))
                     torch.exp2(s.sub_(new_best).clamp_(min=-100.0), out=s)
                     rescale = torch.exp2((best - new_best).clamp_(min=-100.0))

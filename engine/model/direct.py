@@ -19,7 +19,7 @@ _MIN_PART_ROWS = 32
 # A product of at least this many multiply-adds goes through oneDNN (below, its ~12 us per call
 # costs more than it saves)
 ONEDNN_MIN_MACS = 1 << 20
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class Direct:
@@ -95,7 +95,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     AVX-512 there: [1024, 256] x [256, 1536] 3.7 -> 1.6 ms on 2 threads of this repo's CI
     machine (an AMD EPYC). Same fp32 arithmetic, a different summation order. oneDNN has no
     autograd, so training keeps F.linear."""
-    if (_ONEDNN and x.dtype is torch.float32 and w.dtype is torch.float32 and x.device.type == "cpu"
+    if (ONEDNN and x.dtype is torch.float32 and w.dtype is torch.float32 and x.device.type == "cpu"
             and x.numel() != x.shape[-1] and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
             and (bias is None or bias.is_contiguous()) and not torch.is_grad_enabled()):
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")

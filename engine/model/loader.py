@@ -192,8 +192,8 @@ def _store_transposed(model: HybridModel, state: dict[str, torch.Tensor]) -> Non
     faster: the decode step's projections, 1.51 -> 1.04 ms for this repo's benchmark model (30 MB
     of weights: decode after 1K 3.3 -> 2.5 ms, and [in, out] is what `direct.Linear` splits across
     threads). MKL's prefill GEMMs lost ~3-5% on it; prefill now goes through oneDNN
-    (`direct.linear`), which reads both layouts at the same speed. fp16 and bf16 are left alone: their CPU kernels are slower on
-    this layout (fp16 many times over: review measurements, 147 us -> 8.2 ms for one row)."""
+    (`direct.linear`), which reads both layouts at the same speed. fp16 and bf16 are left alone:
+    their CPU kernels are slower on this layout (fp16 many times over: 147 us -> 8.2 ms a row)."""
     for name, mod in model.named_modules():
         key = f"{name}.weight"
         if (isinstance(mod, nn.Linear) and key in state and state[key].dim() == 2
