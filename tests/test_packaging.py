@@ -1,6 +1,7 @@
 """The wheel and the sdist carry what a fresh install needs besides code: the built-in models'
 weights and configs (so `load_model("hcw-tiny")` and `hcw chat` work with no download, and so does
-`hcw bench replay --model hcw-tiny-qwen3.5`) and the TUI stylesheet."""
+`hcw bench replay --model hcw-tiny-qwen3.5`), the TUI stylesheet and the C decode kernels' source
+(built on first use)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NEEDED = ("engine/models/hcw-tiny/config.json", "engine/models/hcw-tiny/model.safetensors",
           "engine/models/hcw-tiny-qwen3.5/config.json", "engine/models/hcw-tiny-qwen3.5/model.safetensors",
-          "workbench/tui/app.tcss")
+          "workbench/tui/app.tcss", "kernels/native/gdn_decode.c")
 
 
 def test_wheel_and_sdist_ship_the_default_model_and_the_stylesheet(tmp_path):

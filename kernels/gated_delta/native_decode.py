@@ -1,0 +1,83 @@
+"""A Gated DeltaNet layer's decode token between its two projections, in one C call (CPU, fp32).
+
+`kernels/native/gdn_decode.c` does the conv update + silu, the q/k L2 norms, the gates, the
+delta-rule step and the gated RMSNorm that engine/model/gdn.py otherwise runs as ~50 torch ops;
+that torch path is its reference (tests/test_native.py compares them). `decode_step` returns new
+state tensors instead of writing the old ones: those may be shared with a cached snapshot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from kernels import native
+from kernels.dispatch import mode as kernels_mode
+
+_P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+_ARGS = [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F]
+_fn = None
+
+
+class Step(NamedTuple):
+    out: torch.Tensor  # [B, Hv * Dv] float32: the gated-norm output, out_proj's input
+    conv: torch.Tensor  # [B, C, K-1]: the new conv window
+    recurrent: torch.Tensor  # [B, Hv, Dk, Dv] float32
+    g: torch.Tensor  # [B, 1, Hv]: this token's log-decay
+    bv: torch.Tensor  # [B, 1, Hv]: beta * |v|, for the decay statistics
+
+
+def kernel():
+    """The C function, or None where the native kernels are off or could not be built."""
+    global _fn
+    if native.mode() == "0":
+        return None
+    if _fn is None:
+        lib = native.library("gdn_decode")
+        if lib is None:
+            return None
+        fn = lib.hcw_gdn_decode
+        fn.argtypes, fn.restype = _ARGS, None
+        _fn = fn
+    return _fn
+
+
+def applies(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> bool:
+    """Whether this decode token can take the kernel: CPU, float32, one token per sequence, dense
+    kernels not forced to a path (`HCW_KERNELS`), the kernel built."""
+    return (proj.device.type == "cpu" and proj.dtype is torch.float32 and conv.dtype is torch.float32
+            and recurrent.dtype is torch.float32 and proj.dim() == 3 and proj.shape[1] == 1
+            and proj.stride(-1) == 1 and kernels_mode() == "auto" and kernel() is not None)
+
+
+def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor, taps: torch.Tensor,
+                neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor,
+                n_k: int, l2_eps: float, norm_eps: float) -> Step:
+    """proj [B, 1, C + Hv*Dv + 2*Hv] (qkv | z | b | a, float32, last dim contiguous); conv
+    [B, C, K-1]; recurrent [B, Hv, Dk, Dv]; taps [C, K] (or conv1d's [C, 1, K]); neg_a, dt_bias [Hv]; norm_w [Dv]. Check
+    `applies` first: this one only checks shapes."""
+    b, _, width = proj.shape
+    hv, dk, dv = recurrent.shape[1:]
+    c, k_minus_1 = conv.shape[1:]
+    if (c != 2 * n_k * dk + hv * dv or width != c + hv * dv + 2 * hv or hv % n_k
+            or taps.numel() != c * (k_minus_1 + 1) or recurrent.shape[0] != b or conv.shape[0] != b
+            or neg_a.numel() != hv or dt_bias.numel() != hv or norm_w.numel() != dv):
+        raise ValueError(f"GDN decode shapes disagree: proj {tuple(proj.shape)}, conv {tuple(conv.shape)}, "
+                         f"recurrent {tuple(recurrent.shape)}, taps {tuple(taps.shape)}, {n_k} key heads")
+    # the torch path leaves its conv window a strided view: one copy on the first step after it
+    conv = conv if conv.is_contiguous() else conv.contiguous()
+    recurrent = recurrent if recurrent.is_contiguous() else recurrent.contiguous()
+    for t in (taps, neg_a, dt_bias, norm_w):
+        if t.dtype is not torch.float32 or not t.is_contiguous():
+            raise ValueError("GDN decode parameters must be contiguous float32")
+    out = torch.empty(b, hv * dv)
+    conv_new = torch.empty_like(conv)
+    rec_new = torch.empty_like(recurrent)
+    g = torch.empty(b, 1, hv)
+    bv = torch.empty(b, 1, hv)
+    kernel()(proj.data_ptr(), proj.stride(0), conv.data_ptr(), conv_new.data_ptr(), taps.data_ptr(),
+             neg_a.data_ptr(), dt_bias.data_ptr(), recurrent.data_ptr(), rec_new.data_ptr(), norm_w.data_ptr(),
+             out.data_ptr(), g.data_ptr(), bv.data_ptr(), b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps)
+    return Step(out, conv_new, rec_new, g, bv)

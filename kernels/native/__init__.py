@@ -1,0 +1,126 @@
+"""Small C kernels for the CPU decode step, built on first use with the machine's C compiler.
+
+A decode step at the sizes hcw runs on a CPU is mostly dispatch: each torch op costs ~1-2 us
+whatever its size, and a Gated DeltaNet layer between its two projections is ~50 of them. The C
+here does that stretch in one call (through ctypes; no torch headers, so a build takes well under a
+second). Each kernel's reference is the torch path it replaces, which stays the path wherever the
+kernel does not apply (CUDA, other dtypes, `HCW_KERNELS=reference`) and which the tests compare
+it with.
+
+    HCW_NATIVE=auto (unset)  build and use the kernels when a C compiler is there; without one, the
+                             torch path (the reason is logged once)
+    HCW_NATIVE=0             never build or use them
+    HCW_NATIVE=1             require them: a failed build raises NativeUnavailable
+
+Builds go to `$HCW_NATIVE_CACHE`, else `$XDG_CACHE_HOME/hcw/native`, else `~/.cache/hcw/native`,
+named by a digest of the source, the compiler, its flags and the processor's feature flags (the
+code is built for this processor: `-march=native`); a build is written beside its final name and
+renamed into place, so processes that build at once do not read each other's half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
+MODES = ("auto", "0", "1")
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+class NativeUnavailable(RuntimeError):
+    """HCW_NATIVE=1 and a kernel could not be built or loaded."""
+
+
+def mode() -> str:
+    value = os.environ.get("HCW_NATIVE", "auto") or "auto"
+    if value not in MODES:
+        raise ValueError(f"HCW_NATIVE={value!r}; one of {', '.join(MODES)}")
+    return value
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The built `kernels/native/<name>.c`, or None where it cannot be used (HCW_NATIVE=0, no
+    compiler, a failed build); the outcome is kept for the process."""
+    if mode() == "0":
+        return None
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name)
+        lib = _loaded[name]
+    if lib is None and mode() == "1":
+        raise NativeUnavailable(f"native kernel {name!r} is unavailable (see the log above); HCW_NATIVE=1 requires it")
+    return lib
+
+
+def cache_dir() -> Path:
+    if os.environ.get("HCW_NATIVE_CACHE"):
+        return Path(os.environ["HCW_NATIVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hcw" / "native"
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    source = Path(__file__).with_name(f"{name}.c")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler (cc, gcc or $CC): the %s kernel runs on the torch path", name)
+        return None
+    target = cache_dir() / f"{name}-{_digest(source, compiler)}.so"
+    if not target.exists():
+        try:
+            _compile(source, compiler, target)
+        except (OSError, subprocess.SubprocessError) as err:
+            log.warning("building the %s kernel failed, it runs on the torch path: %s", name, err)
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as err:
+        log.warning("loading the %s kernel (%s) failed, it runs on the torch path: %s", name, target, err)
+        return None
+
+
+def _compile(source: Path, compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".part")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(source), "-o", partial, "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise subprocess.SubprocessError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+        log.info("built %s", target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _digest(source: Path, compiler: str) -> str:
+    h = hashlib.sha256(source.read_bytes())
+    h.update(compiler.encode())
+    h.update(" ".join(FLAGS).encode())
+    h.update(_processor().encode())
+    return h.hexdigest()[:16]
+
+
+def _processor() -> str:
+    """The processor's model and feature flags (what -march=native builds for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(keep))

@@ -1,0 +1,178 @@
+"""The C decode kernel (kernels/native) against the torch path it replaces, and how it is built.
+
+The kernel tests run with HCW_NATIVE=1: a machine where it cannot be built fails them instead of
+quietly testing the torch path twice."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kernels.native as native
+from engine.cache.states import GDNState
+from engine.config import ModelConfig
+from engine.engine import Engine, SamplingParams
+from engine.model.gdn import GatedDeltaNet
+from engine.model.hybrid import HybridModel
+from engine.model.random_init import init_random, qwen3_5_text_dict
+from kernels.gated_delta import native_decode
+
+
+@pytest.fixture(autouse=True)
+def _required(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("HCW_NATIVE", "1")
+    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
+    monkeypatch.delenv("HCW_KERNELS", raising=False)
+
+
+def _gdn(n_k, n_v, dk, dv, kernel=4, hidden=48, seed=0):
+    cfg = ModelConfig.from_dict({**qwen3_5_text_dict(hidden=hidden, layers=1), "linear_num_key_heads": n_k,
+                                 "linear_num_value_heads": n_v, "linear_key_head_dim": dk,
+                                 "linear_value_head_dim": dv, "linear_conv_kernel_dim": kernel,
+                                 "layer_types": ["linear_attention"]})
+    layer = GatedDeltaNet(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        layer.A_log.copy_(torch.empty(n_v).uniform_(0.5, 8, generator=g).log())
+        layer.dt_bias.copy_(torch.randn(n_v, generator=g))
+        layer.norm.weight.copy_(1 + 0.1 * torch.randn(dv, generator=g))
+    return layer.eval()
+
+
+def _steps(layer, xs, state, monkeypatch, path):
+    if path == "torch":
+        monkeypatch.setenv("HCW_KERNELS", "reference")
+    else:
+        monkeypatch.delenv("HCW_KERNELS", raising=False)
+    outs = [layer(xs[:, i:i + 1], state, 5 + i) for i in range(xs.shape[1])]
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("n_k, n_v, dk, dv, kernel, batch", [
+    (2, 4, 16, 8, 4, 1),  # value heads grouped over key heads
+    (3, 3, 32, 32, 4, 2),  # one value head per key head, two sequences
+    (1, 2, 8, 24, 2, 1),  # a two-tap conv: the window keeps one input
+])
+def test_decode_steps_match_the_torch_path(n_k, n_v, dk, dv, kernel, batch, monkeypatch):
+    layer = _gdn(n_k, n_v, dk, dv, kernel)
+    xs = torch.randn(batch, 12, 48)
+    with torch.no_grad():
+        states = []
+        for _ in range(2):
+            s = layer.new_state(batch, torch.float32, "cpu")
+            s.tracking = True
+            layer(torch.randn(batch, 5, 48, generator=torch.Generator().manual_seed(1)), s, 0)  # a prefilled window
+            states.append(s)
+        expected = _steps(layer, xs, states[0], monkeypatch, "torch")
+        calls = []
+        real = native_decode.decode_step
+        monkeypatch.setattr(native_decode, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = _steps(layer, xs, states[1], monkeypatch, "native")
+    assert len(calls) == xs.shape[1]
+    assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
+    ref, nat = states
+    assert (nat.recurrent - ref.recurrent).abs().max().item() <= 1e-5 * ref.recurrent.abs().max().item()
+    assert torch.equal(nat.conv, ref.conv)
+    # the decay statistics the cache's certified replay reads: log-decay and the norm bound
+    assert nat.stats_end == ref.stats_end == 5 + xs.shape[1]
+    assert torch.allclose(nat.stats, ref.stats, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(nat.norm, ref.norm, rtol=1e-5)
+
+
+def test_old_state_tensors_are_not_written(monkeypatch):
+    """A decode must not write the tensors it was given: a cached snapshot may share them."""
+    layer = _gdn(2, 4, 16, 8)
+    state = layer.new_state(1, torch.float32, "cpu")
+    with torch.no_grad():
+        layer(torch.randn(1, 7, 48), state, 0)
+        conv, rec = state.conv.contiguous(), state.recurrent
+        state.conv = conv
+        held = conv.clone(), rec.clone()
+        layer(torch.randn(1, 1, 48), state, 7)
+    assert torch.equal(conv, held[0]) and torch.equal(rec, held[1])
+    assert state.recurrent.data_ptr() != rec.data_ptr() and state.conv.data_ptr() != conv.data_ptr()
+
+
+def test_a_model_decodes_the_same_on_either_path(monkeypatch):
+    """Greedy tokens and every step's logits, through the engine, with the kernel and without."""
+    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=128, layers=4))), 0).eval()
+    engine = Engine(model)
+    prompt = list(range(3, 40))
+    params = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)
+    monkeypatch.setenv("HCW_KERNELS", "reference")
+    expected = engine.generate(prompt, params)
+    monkeypatch.delenv("HCW_KERNELS")
+    calls = []
+    real = native_decode.decode_step
+    monkeypatch.setattr(native_decode, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = engine.generate(prompt, params)
+    assert got.token_ids == expected.token_ids
+    assert len(calls) == 3 * 23  # three GDN layers, every generated token but the last
+    with torch.inference_mode():
+        logits = []
+        for path in ("reference", "auto"):
+            monkeypatch.setenv("HCW_KERNELS", path)
+            state = engine.new_state()
+            engine.prefill(prompt, state)
+            logits.append(torch.stack([engine.decode(t, state) for t in expected.token_ids]))
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
+
+
+def test_shapes_that_disagree_are_refused():
+    layer = _gdn(2, 4, 16, 8)
+    state = layer.new_state(1, torch.float32, "cpu")
+    proj = torch.randn(1, 1, layer.in_proj.out_features + 1)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        native_decode.decode_step(proj, state.conv, state.recurrent, layer.conv1d.weight.detach(),
+                                  -layer.A_log.detach().exp(), layer.dt_bias.detach(), layer.norm.weight.detach(),
+                                  layer.n_k, 1e-6, 1e-6)
+
+
+def test_other_dtypes_and_forced_paths_stay_on_torch(monkeypatch):
+    state = GDNState.zeros(1, 8, 4, 2, 2, 2, torch.float32, "cpu")
+    assert native_decode.applies(torch.randn(1, 1, 16), state.conv, state.recurrent)
+    assert not native_decode.applies(torch.randn(1, 1, 16, dtype=torch.bfloat16), state.conv.bfloat16(), state.recurrent)
+    assert not native_decode.applies(torch.randn(1, 2, 16), state.conv, state.recurrent)  # a chunk, not a token
+    monkeypatch.setenv("HCW_KERNELS", "reference")
+    assert not native_decode.applies(torch.randn(1, 1, 16), state.conv, state.recurrent)
+
+
+def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.library("gdn_decode") is not None
+    built = list(tmp_path.glob("gdn_decode-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("*.part"))
+    stamp = built[0].stat().st_mtime_ns
+    compiled = []
+    monkeypatch.setattr(native, "_compile", lambda *a: compiled.append(a))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.library("gdn_decode") is not None
+    assert compiled == [] and built[0].stat().st_mtime_ns == stamp
+
+
+def test_a_failed_build_falls_back_or_raises_when_required(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    monkeypatch.setattr(native, "_loaded", {})
+    with pytest.raises(native.NativeUnavailable, match="gdn_decode"):
+        native.library("gdn_decode")
+    monkeypatch.setenv("HCW_NATIVE", "auto")
+    monkeypatch.setattr(native, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.library("gdn_decode") is None
+    assert "building the gdn_decode kernel failed" in caplog.text
+    assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.part"))
+
+
+def test_native_off_and_a_bad_setting(monkeypatch):
+    monkeypatch.setenv("HCW_NATIVE", "0")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.library("gdn_decode") is None
+    monkeypatch.setenv("HCW_NATIVE", "yes")
+    with pytest.raises(ValueError, match="HCW_NATIVE"):
+        native.library("gdn_decode")
