@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import kernels.native as native
-from engine.cache.states import GDNState
+from engine.cache.states import GDNState, KVState
 from engine.config import ModelConfig
 from engine.engine import Engine, SamplingParams
+from engine.model.attention import GatedAttention
 from engine.model.gdn import GatedDeltaNet
 from engine.model.hybrid import HybridModel
 from engine.model.random_init import init_random, qwen3_5_text_dict
-from kernels.gated_delta import native_decode
+from kernels.native import attn_decode
+from kernels.native import gdn_decode as native_decode
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +124,63 @@ def test_a_model_decodes_the_same_on_either_path(monkeypatch):
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
 
 
+def _attention(heads, kv_heads, head_dim, partial, bias=False, seed=0):
+    cfg = ModelConfig.from_dict({**qwen3_5_text_dict(hidden=48, layers=1), "num_attention_heads": heads,
+                                 "num_key_value_heads": kv_heads, "head_dim": head_dim, "attention_bias": bias,
+                                 "layer_types": ["full_attention"],
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": partial}})
+    layer = GatedAttention(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return layer.eval()
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, partial, bias, batch, prefill", [
+    (4, 2, 16, 0.25, False, 1, 9),  # grouped query heads, partial rotation (Qwen3.5)
+    (2, 2, 8, 1.0, True, 2, 5),  # one query head per key head, all channels rotated, biases, two sequences
+    (3, 1, 12, 0.0, False, 1, 250),  # no rotation; the steps cross the buffer's first growth (256)
+])
+def test_attention_decode_steps_match_the_torch_path(heads, kv_heads, head_dim, partial, bias, batch, prefill,
+                                                     monkeypatch):
+    layer = _attention(heads, kv_heads, head_dim, partial, bias)
+    assert layer.rotary.rotary_dim == int(head_dim * partial)
+    warm = torch.randn(batch, prefill, 48, generator=torch.Generator().manual_seed(1))
+    xs = torch.randn(batch, 12, 48)
+    results = {}
+    calls = []
+    real = attn_decode.prepare
+    monkeypatch.setattr(attn_decode, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        for path in ("reference", "auto"):
+            monkeypatch.setenv("HCW_KERNELS", path)
+            state = layer.new_state(batch, torch.float32, "cpu")
+            assert type(state) is KVState
+            layer(warm, state, 0)
+            outs = [layer(xs[:, i:i + 1], state, prefill + i) for i in range(xs.shape[1])]
+            results[path] = torch.cat(outs, 1), state
+    assert len(calls) == xs.shape[1]
+    (expected, ref), (got, nat) = results["reference"], results["auto"]
+    assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
+    assert ref.length == nat.length == prefill + xs.shape[1]
+    assert (nat.k[:, :, :nat.length] - ref.k[:, :, :ref.length]).abs().max().item() <= 1e-5
+    assert torch.equal(nat.v[:, :, :nat.length], ref.v[:, :, :ref.length])
+
+
 def test_shapes_that_disagree_are_refused():
+    attn = _attention(4, 2, 16, 0.25)
+    state = attn.new_state(1, torch.float32, "cpu")
+    proj = torch.randn(1, 1, attn.qkv_proj.out_features)
+    cos, sin = attn.rotary.rows(0, 16, torch.float32, "cpu")
+    args = (attn.q_norm.scale(), attn.k_norm.scale(), cos, sin, attn.rotary.rotary_dim, state.k, state.v)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        attn_decode.prepare(proj, *args, 0, 3, 1e-6)  # 3 query heads over 2 key-value heads
+    with pytest.raises(ValueError, match="shapes disagree"):
+        attn_decode.prepare(proj, *args, state.k.shape[2], 4, 1e-6)  # no room at the position
+    with pytest.raises(IndexError, match="capacity"):
+        state.written(state.k.shape[2] + 1)
     layer = _gdn(2, 4, 16, 8)
     state = layer.new_state(1, torch.float32, "cpu")
     proj = torch.randn(1, 1, layer.in_proj.out_features + 1)
@@ -137,8 +195,13 @@ def test_other_dtypes_and_forced_paths_stay_on_torch(monkeypatch):
     assert native_decode.applies(torch.randn(1, 1, 16), state.conv, state.recurrent)
     assert not native_decode.applies(torch.randn(1, 1, 16, dtype=torch.bfloat16), state.conv.bfloat16(), state.recurrent)
     assert not native_decode.applies(torch.randn(1, 2, 16), state.conv, state.recurrent)  # a chunk, not a token
+    kv = KVState.empty(1, 2, 8, torch.float32, "cpu")
+    assert attn_decode.applies(torch.randn(1, 1, 64), kv.k, kv.v)
+    assert not attn_decode.applies(torch.randn(1, 1, 64, dtype=torch.bfloat16), kv.k.bfloat16(), kv.v.bfloat16())
+    assert not attn_decode.applies(torch.randn(1, 1, 64), kv.k.transpose(2, 3), kv.v.transpose(2, 3))
     monkeypatch.setenv("HCW_KERNELS", "reference")
     assert not native_decode.applies(torch.randn(1, 1, 16), state.conv, state.recurrent)
+    assert not attn_decode.applies(torch.randn(1, 1, 64), kv.k, kv.v)
 
 
 def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):

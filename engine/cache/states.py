@@ -115,10 +115,23 @@ class KVState:
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write [B, Hkv, T, D] at the end; return views of all keys and values so far."""
         end = self.length + k_new.shape[2]
-        if end > self.k.shape[2]:
-            self._grow(end)
+        self.room(end)
         self.k[:, :, self.length:end] = k_new
         self.v[:, :, self.length:end] = v_new
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def room(self, end: int) -> None:
+        """Capacity for positions [0, end), grown by doubling; what is held is kept."""
+        if end > self.k.shape[2]:
+            self._grow(end)
+
+    def written(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count the t positions a kernel wrote straight into k and v after the held ones (room
+        made first); return views of all keys and values so far, as `append` does."""
+        end = self.length + t
+        if end > self.k.shape[2]:
+            raise IndexError(f"{t} positions written past a KV capacity of {self.k.shape[2]}")
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 

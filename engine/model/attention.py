@@ -13,6 +13,7 @@ from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
 from engine.model.norm import RMSNorm
 from engine.model.rope import Rotary
+from kernels.native import attn_decode as native_decode
 from kernels.paged_attention import paged_decode, paged_prefill
 
 
@@ -40,7 +41,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: KVState | PagedKVState | None, start: int) -> torch.Tensor:
         b, t, _ = x.shape
         hd = self.head_dim
-        qg, k, v = self.qkv_proj.forward_split(x)
+        proj = self.qkv_proj(x)
+        if (t == 1 and type(state) is KVState and state.length == start
+                and native_decode.applies(proj, state.k, state.v)):
+            return self._native_step(proj, state, start)
+        qg, k, v = proj.split(list(self.qkv_proj.parts.values()), dim=-1)
         q, gate = qg.reshape(b, t, self.n_heads, 2 * hd).split(hd, dim=-1)
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(k.reshape(b, t, self.n_kv, hd)).transpose(1, 2)
@@ -55,6 +60,17 @@ class GatedAttention(nn.Module):
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
 
+    def _native_step(self, proj: torch.Tensor, state: KVState, start: int) -> torch.Tensor:
+        """One decode token through kernels/native/attn_decode.c (norms, rotation, gate, the KV
+        write: the arithmetic of the torch path above in one call), then SDPA over the cache."""
+        b, hd = proj.shape[0], self.head_dim
+        state.room(start + 1)
+        cos, sin = self.rotary.rows(start, hd, torch.float32, proj.device)
+        q, gate = native_decode.prepare(proj, self.q_norm.scale(), self.k_norm.scale(), cos, sin,
+                                        self.rotary.rotary_dim, state.k, state.v, start, self.n_heads, self.q_norm.eps)
+        k, v = state.written(1)
+        o = _causal_attention(q, k, v, start)  # [B, H, 1, D]
+        return self.o_proj(o.reshape(b, 1, self.n_heads * hd) * gate)
 
     def _paged(self, q, k, v, state: PagedKVState, start: int) -> torch.Tensor:
         """Attention over a paged state: a static decode step (positions in tensors, `state.at`),

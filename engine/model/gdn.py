@@ -19,7 +19,8 @@ from engine.model.derived import derived
 from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
 from engine.model.norm import GatedRMSNorm, as_dtype, as_float, constant, normalized
-from kernels.gated_delta import chunk_gated_delta, native_decode, recurrent_gated_delta
+from kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from kernels.native import gdn_decode as native_decode
 
 L2_EPS = 1e-6  # inside the root, as the Gated DeltaNet checkpoints were trained with
 

@@ -24,8 +24,11 @@ class RMSNorm(Direct, nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = derived(self, "scale", self.weight, (lambda w: w.float() + 1.0) if self.unit_offset else torch.Tensor.float)
-        return as_dtype(normalized(as_float(x), self.eps) * scale, x.dtype)
+        return as_dtype(normalized(as_float(x), self.eps) * self.scale(), x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        """The float32 multiplier the normalised x is scaled by (1 + weight when unit_offset)."""
+        return derived(self, "scale", self.weight, (lambda w: w.float() + 1.0) if self.unit_offset else torch.Tensor.float)
 
 
 class GatedRMSNorm(Direct, nn.Module):

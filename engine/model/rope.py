@@ -58,6 +58,12 @@ class Rotary:
         return torch.addcmul(x * cos.index_select(0, positions), x.index_select(-1, partner),
                              sin.index_select(0, positions))
 
+    def rows(self, position: int, head_dim: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) table rows [head_dim] at `position` (sin's first rotary half negated; 1
+        and 0 past rotary_dim), for a kernel that rotates one token itself."""
+        cos, sin, _ = self._table(position + 1, head_dim, dtype, device)
+        return cos[position], sin[position]
+
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x [B, H, T, D] for positions start..start+T-1."""
         if self.rotary_dim == 0:

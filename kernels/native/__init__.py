@@ -38,6 +38,7 @@ MODES = ("auto", "0", "1")
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_functions: dict[tuple[str, str], ctypes._CFuncPtr] = {}
 
 
 class NativeUnavailable(RuntimeError):
@@ -63,6 +64,22 @@ def library(name: str) -> ctypes.CDLL | None:
     if lib is None and mode() == "1":
         raise NativeUnavailable(f"native kernel {name!r} is unavailable (see the log above); HCW_NATIVE=1 requires it")
     return lib
+
+
+def function(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """`symbol` of the built `<name>.c` with its argument types set, or None as `library`."""
+    key = (name, symbol)
+    fn = _functions.get(key)
+    if fn is None:
+        lib = library(name)
+        if lib is None:
+            return None
+        fn = getattr(lib, symbol)
+        fn.argtypes, fn.restype = argtypes, None
+        _functions[key] = fn
+    elif mode() == "0":
+        return None
+    return fn
 
 
 def cache_dir() -> Path:

@@ -1,6 +1,6 @@
 """A Gated DeltaNet layer's decode token between its two projections, in one C call (CPU, fp32).
 
-`kernels/native/gdn_decode.c` does the conv update + silu, the q/k L2 norms, the gates, the
+`gdn_decode.c` beside this file does the conv update + silu, the q/k L2 norms, the gates, the
 delta-rule step and the gated RMSNorm that engine/model/gdn.py otherwise runs as ~50 torch ops;
 that torch path is its reference (tests/test_native.py compares them). `decode_step` returns new
 state tensors instead of writing the old ones: those may be shared with a cached snapshot.
@@ -18,7 +18,6 @@ from kernels.dispatch import mode as kernels_mode
 
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 _ARGS = [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F]
-_fn = None
 
 
 class Step(NamedTuple):
@@ -31,17 +30,7 @@ class Step(NamedTuple):
 
 def kernel():
     """The C function, or None where the native kernels are off or could not be built."""
-    global _fn
-    if native.mode() == "0":
-        return None
-    if _fn is None:
-        lib = native.library("gdn_decode")
-        if lib is None:
-            return None
-        fn = lib.hcw_gdn_decode
-        fn.argtypes, fn.restype = _ARGS, None
-        _fn = fn
-    return _fn
+    return native.function("gdn_decode", "hcw_gdn_decode", _ARGS)
 
 
 def applies(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> bool:

@@ -1,0 +1,62 @@
+"""A gated full-attention layer's decode token up to the attention itself, in one C call (CPU,
+fp32): `attn_decode.c` beside this file norms and rotates the query and key heads, takes the
+sigmoid of the output gate and writes the key and value into the KV buffers, where the torch path
+in engine/model/attention.py runs ~30 ops (its reference: tests/test_native.py compares them).
+The attention over the cache stays with SDPA, which spreads long caches over the threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from kernels import native
+from kernels.dispatch import mode as kernels_mode
+
+_P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+_ARGS = [_P, _L, _P, _P, _P, _P, _I, _P, _P, _P, _P, _L, _L, _L, _I, _I, _I, _I, _F]
+
+
+class Prepared(NamedTuple):
+    q: torch.Tensor  # [B, H, 1, D]: normed and rotated
+    gate: torch.Tensor  # [B, 1, H * D]: sigmoid of the output gate
+
+
+def kernel():
+    """The C function, or None where the native kernels are off or could not be built."""
+    return native.function("attn_decode", "hcw_attn_decode", _ARGS)
+
+
+def applies(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+    """Whether this token can take the kernel: CPU, float32, one token per sequence, KV buffers
+    [B, Hkv, capacity, D] with rows of D contiguous, kernels not forced to a path, the kernel built."""
+    return (proj.device.type == "cpu" and proj.dtype is torch.float32 and k_buf.dtype is torch.float32
+            and proj.dim() == 3 and proj.shape[1] == 1 and proj.stride(-1) == 1
+            and k_buf.stride(-1) == 1 and k_buf.stride(-2) == k_buf.shape[-1] and k_buf.stride() == v_buf.stride()
+            and kernels_mode() == "auto" and kernel() is not None)
+
+
+def prepare(proj: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            rotary_dim: int, k_buf: torch.Tensor, v_buf: torch.Tensor, pos: int, n_heads: int, eps: float) -> Prepared:
+    """proj [B, 1, H*2D + 2*Hkv*D] (per query head its query then its gate, then the keys, then the
+    values); q_scale, k_scale [D] (the norms' full multipliers); cos, sin [D] (this position's table
+    rows); k_buf, v_buf [B, Hkv, capacity, D] with room at `pos`, which this writes. Check
+    `applies` first: this one only checks shapes."""
+    b, _, width = proj.shape
+    n_kv, capacity, d = k_buf.shape[1:]
+    if (width != n_heads * 2 * d + 2 * n_kv * d or n_heads % n_kv or not 0 <= pos < capacity
+            or k_buf.shape[0] != b or v_buf.shape != k_buf.shape or not 0 <= rotary_dim <= d or rotary_dim % 2
+            or any(t.numel() != d for t in (q_scale, k_scale, cos, sin))):
+        raise ValueError(f"attention decode shapes disagree: proj {tuple(proj.shape)}, KV {tuple(k_buf.shape)}, "
+                         f"position {pos}, {n_heads} query heads, rotary dim {rotary_dim}")
+    for t in (q_scale, k_scale, cos, sin):
+        if t.dtype is not torch.float32 or not t.is_contiguous():
+            raise ValueError("attention decode parameters must be contiguous float32")
+    q = torch.empty(b, n_heads, 1, d)
+    gate = torch.empty(b, 1, n_heads * d)
+    kernel()(proj.data_ptr(), proj.stride(0), q_scale.data_ptr(), k_scale.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+             rotary_dim, q.data_ptr(), gate.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0),
+             k_buf.stride(1), pos, b, n_heads, n_kv, d, eps)
+    return Prepared(q, gate)
