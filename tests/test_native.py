@@ -17,9 +17,11 @@ from engine.engine import Engine, SamplingParams
 from engine.model.attention import GatedAttention
 from engine.model.gdn import GatedDeltaNet
 from engine.model.hybrid import HybridModel
+from engine.model.norm import RMSNorm
 from engine.model.random_init import init_random, qwen3_5_text_dict
 from kernels.native import attn_decode
 from kernels.native import gdn_decode as native_decode
+from kernels.native import rms_norm as native_norm
 
 
 @pytest.fixture(autouse=True)
@@ -169,6 +171,38 @@ def test_attention_decode_steps_match_the_torch_path(heads, kv_heads, head_dim, 
     assert torch.equal(nat.v[:, :, :nat.length], ref.v[:, :, :ref.length])
 
 
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 40)])
+def test_rms_norm_and_the_fused_residual_add_match_the_torch_path(unit_offset, shape, monkeypatch):
+    norm = RMSNorm(shape[-1], 1e-6, unit_offset=unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(shape[-1]) + (0.0 if unit_offset else 1.0))
+    x, delta = 3 * torch.randn(shape), torch.randn(shape)
+    calls = []
+    real = native_norm.rms_norm
+    monkeypatch.setattr(native_norm, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        monkeypatch.setenv("HCW_KERNELS", "reference")
+        expected, (expected_sum, expected_sum_norm) = norm(x), norm.add_forward(x, delta)
+        monkeypatch.setenv("HCW_KERNELS", "auto")
+        got, (got_sum, got_sum_norm) = norm(x), norm.add_forward(x, delta)
+    assert len(calls) == 2
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_sum, expected_sum)
+    assert torch.allclose(got_sum_norm, expected_sum_norm, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_leaves_large_inputs_and_autograd_to_torch(monkeypatch):
+    norm = RMSNorm(64, 1e-6, unit_offset=True)
+    calls = []
+    monkeypatch.setattr(native_norm, "rms_norm", lambda *a, **k: calls.append(1))
+    with torch.no_grad():
+        assert norm(torch.randn(1, native_norm.MAX_ELEMENTS // 64 + 1, 64)).shape == (1, 257, 64)
+    x = torch.randn(1, 1, 64)
+    norm(x).sum().backward()  # grad enabled: the torch path, so the weight gets its gradient
+    assert calls == [] and norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+
+
 def test_shapes_that_disagree_are_refused():
     attn = _attention(4, 2, 16, 0.25)
     state = attn.new_state(1, torch.float32, "cpu")
@@ -192,16 +226,22 @@ def test_shapes_that_disagree_are_refused():
 
 def test_other_dtypes_and_forced_paths_stay_on_torch(monkeypatch):
     state = GDNState.zeros(1, 8, 4, 2, 2, 2, torch.float32, "cpu")
-    assert native_decode.applies(torch.randn(1, 1, 16), state.conv, state.recurrent)
-    assert not native_decode.applies(torch.randn(1, 1, 16, dtype=torch.bfloat16), state.conv.bfloat16(), state.recurrent)
-    assert not native_decode.applies(torch.randn(1, 2, 16), state.conv, state.recurrent)  # a chunk, not a token
     kv = KVState.empty(1, 2, 8, torch.float32, "cpu")
-    assert attn_decode.applies(torch.randn(1, 1, 64), kv.k, kv.v)
-    assert not attn_decode.applies(torch.randn(1, 1, 64, dtype=torch.bfloat16), kv.k.bfloat16(), kv.v.bfloat16())
-    assert not attn_decode.applies(torch.randn(1, 1, 64), kv.k.transpose(2, 3), kv.v.transpose(2, 3))
-    monkeypatch.setenv("HCW_KERNELS", "reference")
-    assert not native_decode.applies(torch.randn(1, 1, 16), state.conv, state.recurrent)
-    assert not attn_decode.applies(torch.randn(1, 1, 64), kv.k, kv.v)
+    proj, qkv = torch.randn(1, 1, 16), torch.randn(1, 1, 64)
+    assert not native_decode.applies(proj, state.conv, state.recurrent)  # autograd on: no backward in C
+    assert not attn_decode.applies(qkv, kv.k, kv.v)
+    with torch.no_grad():
+        assert native_decode.applies(proj, state.conv, state.recurrent)
+        assert not native_decode.applies(proj.bfloat16(), state.conv.bfloat16(), state.recurrent)
+        assert not native_decode.applies(torch.randn(1, 2, 16), state.conv, state.recurrent)  # a chunk, not a token
+        assert attn_decode.applies(qkv, kv.k, kv.v)
+        assert not attn_decode.applies(qkv.bfloat16(), kv.k.bfloat16(), kv.v.bfloat16())
+        assert not attn_decode.applies(qkv, kv.k.transpose(2, 3), kv.v.transpose(2, 3))
+        assert native_norm.applies(qkv) and not native_norm.applies(qkv.view(8, 8).t())
+        monkeypatch.setenv("HCW_KERNELS", "reference")
+        assert not native_decode.applies(proj, state.conv, state.recurrent)
+        assert not attn_decode.applies(qkv, kv.k, kv.v)
+        assert not native_norm.applies(qkv)
 
 
 def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):

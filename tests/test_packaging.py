@@ -15,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NEEDED = ("engine/models/hcw-tiny/config.json", "engine/models/hcw-tiny/model.safetensors",
           "engine/models/hcw-tiny-qwen3.5/config.json", "engine/models/hcw-tiny-qwen3.5/model.safetensors",
-          "workbench/tui/app.tcss", "kernels/native/gdn_decode.c", "kernels/native/attn_decode.c")
+          "workbench/tui/app.tcss", "kernels/native/gdn_decode.c", "kernels/native/attn_decode.c",
+          "kernels/native/rms_norm.c")
 
 
 def test_wheel_and_sdist_ship_the_default_model_and_the_stylesheet(tmp_path):

@@ -62,8 +62,8 @@ class Block(Direct, nn.Module):
         return getattr(self, self.mixer_name)
 
     def forward(self, x: torch.Tensor, state, start: int, ids: torch.Tensor) -> torch.Tensor:
-        x = x + self.mixer(self.input_layernorm(x), state, start)
-        return x + self.mlp(self.post_attention_layernorm(x), ids)
+        x, h = self.post_attention_layernorm.add_forward(x, self.mixer(self.input_layernorm(x), state, start))
+        return x + self.mlp(h, ids)
 
 
 class HyperBlock(Direct, nn.Module):

@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.model.derived import derived
 from engine.model.direct import Direct
+from kernels.native import rms_norm as native_norm
 
 
 class RMSNorm(Direct, nn.Module):
@@ -24,7 +25,17 @@ class RMSNorm(Direct, nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native_norm.applies(x):  # a decode step's rows: one C call (kernels/native/rms_norm.c)
+            return native_norm.rms_norm(x, self.scale(), self.eps)[1]
         return as_dtype(normalized(as_float(x), self.eps) * self.scale(), x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a block's residual add and the next norm, fused in one C
+        call at decode sizes."""
+        if native_norm.applies(x, delta):
+            return native_norm.rms_norm(x, self.scale(), self.eps, delta)
+        x = x + delta
+        return x, self(x)
 
     def scale(self) -> torch.Tensor:
         """The float32 multiplier the normalised x is scaled by (1 + weight when unit_offset)."""

@@ -30,10 +30,12 @@ def kernel():
 
 
 def applies(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
-    """Whether this token can take the kernel: CPU, float32, one token per sequence, KV buffers
-    [B, Hkv, capacity, D] with rows of D contiguous, kernels not forced to a path, the kernel built."""
+    """Whether this token can take the kernel: CPU, float32, one token per sequence, outside
+    autograd, KV buffers [B, Hkv, capacity, D] with rows of D contiguous, kernels not forced to a
+    path, the kernel built."""
     return (proj.device.type == "cpu" and proj.dtype is torch.float32 and k_buf.dtype is torch.float32
             and proj.dim() == 3 and proj.shape[1] == 1 and proj.stride(-1) == 1
+            and not torch.is_grad_enabled()
             and k_buf.stride(-1) == 1 and k_buf.stride(-2) == k_buf.shape[-1] and k_buf.stride() == v_buf.stride()
             and kernels_mode() == "auto" and kernel() is not None)
 

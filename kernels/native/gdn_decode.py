@@ -34,11 +34,13 @@ def kernel():
 
 
 def applies(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> bool:
-    """Whether this decode token can take the kernel: CPU, float32, one token per sequence, dense
-    kernels not forced to a path (`HCW_KERNELS`), the kernel built."""
+    """Whether this decode token can take the kernel: CPU, float32, one token per sequence, outside
+    autograd (the kernel has no backward), kernels not forced to a path (`HCW_KERNELS`), the kernel
+    built."""
     return (proj.device.type == "cpu" and proj.dtype is torch.float32 and conv.dtype is torch.float32
             and recurrent.dtype is torch.float32 and proj.dim() == 3 and proj.shape[1] == 1
-            and proj.stride(-1) == 1 and kernels_mode() == "auto" and kernel() is not None)
+            and proj.stride(-1) == 1 and not torch.is_grad_enabled()
+            and kernels_mode() == "auto" and kernel() is not None)
 
 
 def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor, taps: torch.Tensor,
