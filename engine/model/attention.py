@@ -45,7 +45,7 @@ class GatedAttention(nn.Module):
         if (t == 1 and type(state) is KVState and state.length == start
                 and native_decode.applies(proj, state.k, state.v)):
             return self._native_step(proj, state, start)
-        qg, k, v = proj.split(list(self.qkv_proj.parts.values()), dim=-1)
+        qg, k, v = self.qkv_proj.split(proj)
         q, gate = qg.reshape(b, t, self.n_heads, 2 * hd).split(hd, dim=-1)
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(k.reshape(b, t, self.n_kv, hd)).transpose(1, 2)
@@ -63,14 +63,15 @@ class GatedAttention(nn.Module):
     def _native_step(self, proj: torch.Tensor, state: KVState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/attn_decode.c (norms, rotation, gate, the KV
         write: the arithmetic of the torch path above in one call), then SDPA over the cache."""
-        b, hd = proj.shape[0], self.head_dim
+        b, hd, m = proj.shape[0], self.head_dim, self._modules  # (dicts: no nn.Module.__getattr__)
         state.room(start + 1)
         cos, sin = self.rotary.rows(start, hd, torch.float32, proj.device)
-        q, gate = native_decode.prepare(proj, self.q_norm.scale(), self.k_norm.scale(), cos, sin,
-                                        self.rotary.rotary_dim, state.k, state.v, start, self.n_heads, self.q_norm.eps)
+        q_norm = m["q_norm"]
+        q, gate = native_decode.prepare(proj, q_norm.scale(), m["k_norm"].scale(), cos, sin, self.rotary.rotary_dim,
+                                        state.k, state.v, start, self.n_heads, q_norm.eps)
         k, v = state.written(1)
         o = _causal_attention(q, k, v, start)  # [B, H, 1, D]
-        return self.o_proj(o.reshape(b, 1, self.n_heads * hd) * gate)
+        return m["o_proj"](o.reshape(b, 1, self.n_heads * hd) * gate)
 
     def _paged(self, q, k, v, state: PagedKVState, start: int) -> torch.Tensor:
         """Attention over a paged state: a static decode step (positions in tensors, `state.at`),

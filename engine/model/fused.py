@@ -15,6 +15,11 @@ class FusedLinear(Linear):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = dict(parts)  # checkpoint sibling name -> output rows, in concatenation order
+        self.sizes = list(parts.values())
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self(x).split(list(self.parts.values()), dim=-1)
+        return self.split(self(x))
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This projection's output cut into its parts (the binding, not Tensor.split's Python)."""
+        return y.split_with_sizes(self.sizes, dim=-1)

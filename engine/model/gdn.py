@@ -55,7 +55,7 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(x)
         if t == 1 and state is not None and not state.static and native_decode.applies(proj, state.conv, state.recurrent):
             return self._native_step(proj, state, start)
-        qkv, z, b_in, a_in = proj.split(list(self.in_proj.parts.values()), dim=-1)
+        qkv, z, b_in, a_in = self.in_proj.split(proj)
         mixed = self._conv(qkv, state)  # [B, T, C]
         qk, v = mixed.split([2 * self.n_k * self.dk, self.n_v * self.dv], -1)
         qk = _l2norm(qk.reshape(b, t, 2 * self.n_k, self.dk))  # q and k heads normalised in one pass
@@ -82,14 +82,16 @@ class GatedDeltaNet(nn.Module):
     def _native_step(self, proj: torch.Tensor, state: GDNState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/gdn_decode.c: the same arithmetic as the torch
         path above in one call instead of ~50 ops."""
+        # parameters and submodules through their dicts: nn.Module.__getattr__ costs ~0.4 us a name
+        params, norm = self._parameters, self._modules["norm"]
         step = native_decode.decode_step(
-            proj, state.conv, state.recurrent, self.conv1d.weight,
-            derived(self, "neg_a", self.A_log, lambda a: -a.float().exp()), self.dt_bias, self.norm.weight,
-            self.n_k, L2_EPS, self.norm.eps)
+            proj, state.conv, state.recurrent, self._modules["conv1d"]._parameters["weight"],
+            derived(self, "neg_a", params["A_log"], lambda a: -a.float().exp()), params["dt_bias"],
+            norm._parameters["weight"], self.n_k, L2_EPS, norm.eps, stats=state.tracking)
         state.conv, state.recurrent = step.conv, step.recurrent
         if state.tracking:
             state.record(start, step.g, step.bv)
-        return self.out_proj(step.out.view(proj.shape[0], 1, -1))
+        return self._modules["out_proj"](step.out.view(proj.shape[0], 1, -1))
 
     def _conv(self, mixed: torch.Tensor, state: GDNState | None) -> torch.Tensor:
         """Causal depthwise conv + silu over [B, T, C]; the previous K-1 inputs come from state.

@@ -59,11 +59,12 @@ class Block(Direct, nn.Module):
 
     @property
     def mixer(self) -> nn.Module:
-        return getattr(self, self.mixer_name)
+        return self._modules[self.mixer_name]
 
     def forward(self, x: torch.Tensor, state, start: int, ids: torch.Tensor) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add_forward(x, self.mixer(self.input_layernorm(x), state, start))
-        return x + self.mlp(h, ids)
+        m = self._modules  # not through nn.Module.__getattr__ (~0.4 us a name, four a block a step)
+        x, h = m["post_attention_layernorm"].add_forward(x, m[self.mixer_name](m["input_layernorm"](x), state, start))
+        return x + m["mlp"](h, ids)
 
 
 class HyperBlock(Direct, nn.Module):

@@ -39,7 +39,12 @@ class RMSNorm(Direct, nn.Module):
 
     def scale(self) -> torch.Tensor:
         """The float32 multiplier the normalised x is scaled by (1 + weight when unit_offset)."""
-        return derived(self, "scale", self.weight, (lambda w: w.float() + 1.0) if self.unit_offset else torch.Tensor.float)
+        weight = self._parameters["weight"]  # not through nn.Module.__getattr__: 17 norms a decode step
+        return derived(self, "scale", weight, _plus_one if self.unit_offset else torch.Tensor.float)
+
+
+def _plus_one(w: torch.Tensor) -> torch.Tensor:
+    return w.float() + 1.0
 
 
 class GatedRMSNorm(Direct, nn.Module):

@@ -31,6 +31,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kernels.dispatch import getenv
+
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
@@ -46,7 +48,7 @@ class NativeUnavailable(RuntimeError):
 
 
 def mode() -> str:
-    value = os.environ.get("HCW_NATIVE", "auto") or "auto"
+    value = getenv("HCW_NATIVE", "auto") or "auto"
     if value not in MODES:
         raise ValueError(f"HCW_NATIVE={value!r}; one of {', '.join(MODES)}")
     return value

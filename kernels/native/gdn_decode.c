@@ -10,11 +10,13 @@
  *
  * The torch path this replaces is engine/model/gdn.py's (the tests compare the two). States are
  * read from *_in and written to *_out, never updated in place: the caller's old tensors may be
- * shared with a cached snapshot. g and beta * |v| per head are written for the decay statistics.
+ * shared with a cached snapshot. g and beta * |v| per head are written for the decay statistics
+ * when p_g and p_bv are given (NULL: a request the cache does not record).
  * Each thread of work is one token of one sequence: at decode sizes a parallel region costs more
  * than it saves, so the caller's one thread runs it.
  */
 #include <math.h>
+#include <stddef.h>
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
@@ -66,10 +68,13 @@ void hcw_gdn_decode(const float *p_proj, long proj_stride,
             const float *s_in = p_s_in + ((long)b * HV + h) * DK * DV;
             float *s = p_s_out + ((long)b * HV + h) * DK * DV;
             float *o = p_out + ((long)b * HV + h) * DV;
-            float vv = 0.0f;
-            for (int j = 0; j < DV; j++) { pred[j] = 0.0f; o[j] = 0.0f; vv += v[j] * v[j]; }
-            p_g[b * HV + h] = g;
-            p_bv[b * HV + h] = beta * sqrtf(vv);
+            for (int j = 0; j < DV; j++) { pred[j] = 0.0f; o[j] = 0.0f; }
+            if (p_g != NULL) {
+                float vv = 0.0f;
+                for (int j = 0; j < DV; j++) vv += v[j] * v[j];
+                p_g[b * HV + h] = g;
+                p_bv[b * HV + h] = beta * sqrtf(vv);
+            }
             for (int i = 0; i < DK; i++) {
                 const float ki = k[i];
                 const float *si = s_in + i * DV;

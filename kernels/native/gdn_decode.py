@@ -24,8 +24,8 @@ class Step(NamedTuple):
     out: torch.Tensor  # [B, Hv * Dv] float32: the gated-norm output, out_proj's input
     conv: torch.Tensor  # [B, C, K-1]: the new conv window
     recurrent: torch.Tensor  # [B, Hv, Dk, Dv] float32
-    g: torch.Tensor  # [B, 1, Hv]: this token's log-decay
-    bv: torch.Tensor  # [B, 1, Hv]: beta * |v|, for the decay statistics
+    g: torch.Tensor | None  # [B, 1, Hv]: this token's log-decay (with `stats`)
+    bv: torch.Tensor | None  # [B, 1, Hv]: beta * |v|, for the decay statistics (with `stats`)
 
 
 def kernel():
@@ -45,10 +45,11 @@ def applies(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> 
 
 def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor, taps: torch.Tensor,
                 neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor,
-                n_k: int, l2_eps: float, norm_eps: float) -> Step:
+                n_k: int, l2_eps: float, norm_eps: float, stats: bool = True) -> Step:
     """proj [B, 1, C + Hv*Dv + 2*Hv] (qkv | z | b | a, float32, last dim contiguous); conv
-    [B, C, K-1]; recurrent [B, Hv, Dk, Dv]; taps [C, K] (or conv1d's [C, 1, K]); neg_a, dt_bias [Hv]; norm_w [Dv]. Check
-    `applies` first: this one only checks shapes."""
+    [B, C, K-1]; recurrent [B, Hv, Dk, Dv]; taps [C, K] (or conv1d's [C, 1, K]); neg_a, dt_bias
+    [Hv]; norm_w [Dv]; `stats`: also return g and beta * |v|. Check `applies` first: this one only
+    checks shapes."""
     b, _, width = proj.shape
     hv, dk, dv = recurrent.shape[1:]
     c, k_minus_1 = conv.shape[1:]
@@ -66,9 +67,9 @@ def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
     out = torch.empty(b, hv * dv)
     conv_new = torch.empty_like(conv)
     rec_new = torch.empty_like(recurrent)
-    g = torch.empty(b, 1, hv)
-    bv = torch.empty(b, 1, hv)
+    g, bv = (torch.empty(b, 1, hv), torch.empty(b, 1, hv)) if stats else (None, None)
     kernel()(proj.data_ptr(), proj.stride(0), conv.data_ptr(), conv_new.data_ptr(), taps.data_ptr(),
              neg_a.data_ptr(), dt_bias.data_ptr(), recurrent.data_ptr(), rec_new.data_ptr(), norm_w.data_ptr(),
-             out.data_ptr(), g.data_ptr(), bv.data_ptr(), b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps)
+             out.data_ptr(), g.data_ptr() if stats else None, bv.data_ptr() if stats else None,
+             b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps)
     return Step(out, conv_new, rec_new, g, bv)
