@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hf_reference as ref
 from engine import load_model
@@ -235,6 +237,29 @@ def test_forced_hash_collisions_are_caught_by_token_comparison():
     assert match.segments == [] and match.collisions == 1
     assert index.insert(b"\0" * 16, 0, [2, 2, 3, 3]) is None and index.collisions == 2
     assert index.match([1, 2, 3, 4, 7]).segments[0].tokens == (1, 2, 3, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=26), min_size=1, max_size=6))
+def test_a_match_after_other_matches_is_a_fresh_index_match(queries):
+    """match() takes the keys of the segments a request shares with the last one matched from it:
+    whatever came before, each result is the one a fresh index gives (and the hash is never
+    skipped for a segment that differs)."""
+    def filled():
+        index = PrefixIndex(4, b"fp")
+        parent = b"\0" * 16
+        for j, seg in enumerate(([1, 2, 3, 0], [0, 1, 2, 3], [3, 3, 3, 3], [2, 2, 2, 2])):
+            parent = index.insert(parent, j, seg).key
+        index.insert(index.keys_for([1, 2, 3, 0])[-1], 1, [1, 1, 1, 1])  # a branch
+        return index
+    reused = filled()
+    for tokens in queries + [[1, 2, 3, 0, 0, 1, 2, 3, 3, 3, 3, 3], [1, 2, 3, 0, 1, 1, 1, 1, 0]]:
+        got, expected = reused.match(tokens), filled().match(tokens)
+        assert [n.key for n in got.segments] == [n.key for n in expected.segments]
+        assert got.logical_tokens == expected.logical_tokens and got.collisions == expected.collisions
+    weak = lambda parent, fp, data: b"\1" * 16  # noqa: E731  (a new hash: the kept keys no longer apply)
+    reused.hash_fn = weak
+    assert reused.match([1, 2, 3, 0, 0, 1, 2, 3]).segments == []
 
 
 # B = 16; the V4 fixtures use window 8 and compress rates 4 and 32: lengths around each of them

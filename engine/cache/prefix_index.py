@@ -14,23 +14,36 @@ the next segment (token-level longest match). Only the validator decides what is
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import xxhash
 
 ROOT = b"\x00" * 16
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
-    return np.asarray(tokens, dtype=np.int64).tobytes()
+    """The ids as little-endian int64s: what segment keys hash and hits compare (struct packs a
+    600-token prompt in ~2.6 us, numpy's conversion of the list in ~7)."""
+    return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
 def segment_hash(parent: bytes, fingerprint: bytes, data: bytes) -> bytes:
     """Key of a segment whose token ids, as int64 bytes, are `data`."""
     return xxhash.xxh3_128_digest(parent + fingerprint + data)
+
+
+def _common_segments(a: bytes, b: bytes, seg_bytes: int, limit: int) -> int:
+    """How many leading whole segments (seg_bytes each, at most `limit`) a and b share."""
+    n = min(limit, len(a) // seg_bytes, len(b) // seg_bytes)
+    if a[:n * seg_bytes] == b[:n * seg_bytes]:
+        return n
+    j = 0
+    while a[j * seg_bytes:(j + 1) * seg_bytes] == b[j * seg_bytes:(j + 1) * seg_bytes]:
+        j += 1
+    return j
 
 
 @dataclass(eq=False)
@@ -64,6 +77,7 @@ class PrefixIndex:
         self.nodes: dict[bytes, SegmentNode] = {}
         self.roots: dict[bytes, SegmentNode] = {}
         self.collisions = 0
+        self._memo: tuple[Callable | None, bytes, list[bytes]] = (None, b"", [])  # (hash_fn, bytes, keys) last matched
 
     def keys_for(self, tokens: Sequence[int]) -> list[bytes]:
         """Chained keys of every whole segment of `tokens`."""
@@ -79,13 +93,21 @@ class PrefixIndex:
         found: list[SegmentNode] = []
         collisions = 0
         raw = token_bytes(tokens)
-        parent = ROOT
-        # (locals: every hit runs this loop once per segment, on the path to its first token)
+        seg_bytes = 8 * b
+        # keys of the whole segments this request shares with the last one matched are taken from
+        # it (a conversation's next turn repeats its whole prefix): only new segments are hashed
         hash_fn, fingerprint, lookup, verify = self.hash_fn, self.fingerprint, self.nodes.get, self.verify_tokens
+        memo_fn, memo_raw, keys = self._memo
+        same = _common_segments(raw, memo_raw, seg_bytes, len(keys)) if memo_fn is hash_fn else 0
+        del keys[same:]
+        parent = keys[-1] if keys else ROOT
         for j in range(len(tokens) // b):
-            # hashed lazily: nothing past the first miss is hashed
-            chunk = raw[8 * j * b:8 * (j + 1) * b]
-            key = parent = hash_fn(parent, fingerprint, chunk)
+            chunk = raw[seg_bytes * j:seg_bytes * (j + 1)]
+            if j < same:
+                key = keys[j]
+            else:  # hashed lazily: nothing past the first miss is hashed
+                key = parent = hash_fn(parent, fingerprint, chunk)
+                keys.append(key)
             node = lookup(key)
             if node is None:
                 break
@@ -93,6 +115,7 @@ class PrefixIndex:
                 collisions += 1
                 break
             found.append(node)
+        self._memo = (hash_fn, raw[:seg_bytes * len(keys)], keys)
         self.collisions += collisions
         logical = len(found) * b
         # token-level: how far the next (partial or unmatched) segment agrees with a cached child

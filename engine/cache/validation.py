@@ -103,7 +103,13 @@ class Validator:
         self.block_size = block_size
         self.replay_warmup = replay_warmup  # tokens before a recurrent restart that rebuild the conv state
         self.layout = layout
-        self.requirements = requirements
+        self.requirements = tuple(requirements)
+        # what every plan reads of them, derived once: a hit's whole validation is ~25 us
+        self._per_segment = [r for r in self.requirements if r.per_segment]
+        self._need = {(r.layer, r.kind) for r in self._per_segment}
+        self._snapshots = {(r.layer, r.kind) for r in self.requirements if not r.per_segment}
+        self._reuse_kinds = ",".join(sorted({r.kind for r in self.requirements}))
+        self._all_layers = tuple(sorted({r.layer for r in self.requirements}))
         self.policy = policy or ReplayPolicy()
         # Tail-Replay needs GDN states to rebuild, every token-addressable kind (full-attention KV,
         # compressed entries, indexer keys) read exact at any boundary, and every other snapshot
@@ -123,9 +129,13 @@ class Validator:
         if match.collisions:
             failures.append(f"layer 1: {match.collisions} hash hit(s) rejected by token comparison")
 
-        records = []
-        unavailable = None
-        get, layout, exact_only = table.get, self.layout, self.policy.mode == "exact"
+        records, keys = [], []
+        unavailable = first_approximate = None
+        # per-segment kinds serve every boundary up to their first gap; the common case (a record
+        # holding all of them) is one set inclusion, the per-kind search runs only past a gap
+        per_segment, need = self._per_segment, self._need
+        complete = None
+        get, layout, exact_only = table.records.get, self.layout, self.policy.mode == "exact"
         for j, node in enumerate(match.segments[:n]):
             rec = get(node.key)
             if rec is None:
@@ -138,14 +148,15 @@ class Validator:
             if not rec.exact and exact_only:
                 failures.append(f"layer 3: segment {j} holds approximate (tail-replayed) state; the policy is exact")
                 break
+            if complete is None and not need <= rec.pieces.keys():
+                complete = j
+            if first_approximate is None and not rec.exact:
+                first_approximate = j
             records.append(rec)
+            keys.append(node.key)
         n = len(records)
-
-        # per-segment kinds serve every boundary up to their first gap; the common case (a record
-        # holding all of them) is one set inclusion, the per-kind search runs only past a gap
-        per_segment = [r for r in self.requirements if r.per_segment]
-        need = {(r.layer, r.kind) for r in per_segment}
-        complete = next((j for j, r in enumerate(records) if not need <= r.pieces.keys()), n)
+        if complete is None:
+            complete = n
         gap_of: dict[tuple[int, str], int] = {}
         for req in per_segment:
             key = (req.layer, req.kind)
@@ -153,7 +164,7 @@ class Validator:
         limit = complete
         # boundary kinds need their snapshot exactly at the chosen boundary
         k = limit
-        snapshots = {(r.layer, r.kind) for r in self.requirements if not r.per_segment}
+        snapshots = self._snapshots
         while k > 0 and not snapshots <= records[k - 1].pieces.keys():
             k -= 1
 
@@ -169,7 +180,8 @@ class Validator:
             objects.append(ObjectPlan("on_disk", Action.RECOVER, (unavailable * b, min(len(match.segments), n_asked) * b),
                                       (), r.path, f"segment {unavailable} is a logical hit that is not in memory"))
         lost: dict[str, list[int]] = {}
-        for req in self.requirements:
+        whole = n == 0 or (k == n and complete == n)  # every kind held up to the last record: none lost
+        for req in () if whole else self.requirements:
             if req.per_segment and gap_of[(req.layer, req.kind)] < n:
                 lost.setdefault(req.kind, []).append(req.layer)
             elif not req.per_segment and n > 0 and not records[n - 1].has(req.layer, req.kind):
@@ -180,12 +192,10 @@ class Validator:
                                       f"{kind} missing for the matched prefix of {n * b} tokens; resume at {k * b}"))
             failures.append(f"layer 3: {kind} missing in layers {layers}")
         if k:
-            kinds = sorted({r.kind for r in self.requirements})
-            objects.insert(0, ObjectPlan(",".join(kinds), Action.REUSE, (0, k * b),
-                                         tuple(sorted({r.layer for r in self.requirements}))))
+            objects.insert(0, ObjectPlan(self._reuse_kinds, Action.REUSE, (0, k * b), self._all_layers))
         objects.append(ObjectPlan("all", Action.RECOMPUTE, (k * b, prompt_len), (), "prefill"))
-        return ReusePlan(prompt_len, match.logical_tokens, n * b, k * b, tuple(r.key for r in records[:k]),
-                         tuple(objects), tuple(failures), exact=all(r.exact for r in records[:k]),
+        return ReusePlan(prompt_len, match.logical_tokens, n * b, k * b, tuple(keys[:k]),
+                         tuple(objects), tuple(failures), exact=first_approximate is None or first_approximate >= k,
                          granular_tokens=n_asked * b, notes=tuple(notes))
 
     def _tail_replay(self, prompt_len, match, records, limit, k, failures, notes, n_asked, approximate):
