@@ -5,12 +5,18 @@ quietly testing the torch path twice."""
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import kernels.native as native
+from engine.cache.prefix_cache import CacheConfig, PrefixCache
 from engine.cache.states import GDNState, KVState
 from engine.config import ModelConfig
 from engine.engine import Engine, SamplingParams
@@ -22,6 +28,9 @@ from engine.model.random_init import init_random, qwen3_5_text_dict
 from kernels.native import attn_decode
 from kernels.native import gdn_decode as native_decode
 from kernels.native import rms_norm as native_norm
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +69,7 @@ def _steps(layer, xs, state, monkeypatch, path):
     (2, 4, 16, 8, 4, 1),  # value heads grouped over key heads
     (3, 3, 32, 32, 4, 2),  # one value head per key head, two sequences
     (1, 2, 8, 24, 2, 1),  # a two-tap conv: the window keeps one input
+    (2, 2, 8, 8, 1, 1),  # a one-tap conv: no window at all
 ])
 def test_decode_steps_match_the_torch_path(n_k, n_v, dk, dv, kernel, batch, monkeypatch):
     layer = _gdn(n_k, n_v, dk, dv, kernel)
@@ -101,6 +111,27 @@ def test_old_state_tensors_are_not_written(monkeypatch):
     assert state.recurrent.data_ptr() != rec.data_ptr() and state.conv.data_ptr() != conv.data_ptr()
 
 
+def test_outputs_are_float32_whatever_the_default_dtype(monkeypatch):
+    """The kernels write float32: their outputs are allocated as such, not in the default dtype."""
+    gdn, attn = _gdn(2, 4, 16, 8), _attention(4, 2, 16, 0.25)
+    gdn_state, kv = gdn.new_state(1, torch.float32, "cpu"), attn.new_state(1, torch.float32, "cpu")
+    x = torch.randn(1, 3, 48)
+    with torch.no_grad():
+        gdn(x[:, :2], gdn_state, 0)
+        attn(x[:, :2], kv, 0)
+        monkeypatch.setenv("HCW_KERNELS", "reference")
+        expected = gdn(x[:, 2:], copy.deepcopy(gdn_state), 2), attn(x[:, 2:], copy.deepcopy(kv), 2)
+        monkeypatch.setenv("HCW_KERNELS", "auto")
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            got = gdn(x[:, 2:], gdn_state, 2), attn(x[:, 2:], kv, 2)
+        finally:
+            torch.set_default_dtype(before)
+    for a, b in zip(got, expected):
+        assert a.dtype is torch.float32 and (a - b).abs().max().item() <= 1e-5
+
+
 def test_a_model_decodes_the_same_on_either_path(monkeypatch):
     """Greedy tokens and every step's logits, through the engine, with the kernel and without."""
     model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=128, layers=4))), 0).eval()
@@ -124,6 +155,29 @@ def test_a_model_decodes_the_same_on_either_path(monkeypatch):
             engine.prefill(prompt, state)
             logits.append(torch.stack([engine.decode(t, state) for t in expected.token_ids]))
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
+
+
+def test_a_resumed_turn_decodes_the_same_on_either_path(monkeypatch):
+    """A second turn restored from the prefix cache (assembled KV buffers, GDN snapshots) decodes
+    through all three kernels and gives the torch path's tokens."""
+    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=128, layers=4))), 0).eval()
+    params = SamplingParams(max_new_tokens=16, greedy=True, ignore_eos=True)
+    first, second = list(range(3, 60)), list(range(3, 60)) + [7, 9, 11, 13]
+    calls = {"gdn": 0, "attn": 0, "norm": 0}
+    for module, name in ((native_decode, "decode_step"), (attn_decode, "prepare"), (native_norm, "rms_norm")):
+        real = getattr(module, name)
+        key = {"decode_step": "gdn", "prepare": "attn", "rms_norm": "norm"}[name]
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1) or _r(*a, **k))
+    answers = {}
+    for path in ("reference", "auto"):
+        monkeypatch.setenv("HCW_KERNELS", path)
+        engine = Engine(model, cache=PrefixCache(model, CacheConfig(block_size=16)))
+        engine.generate(first, params)
+        again = engine.generate(second, params)
+        assert again.timings.cache_n >= 48  # the second turn was restored, not recomputed
+        answers[path] = again.token_ids
+    assert answers["auto"] == answers["reference"]
+    assert calls["gdn"] == 2 * 3 * 15 and calls["attn"] == 2 * 1 * 15 and calls["norm"] > 2 * 15 * 8
 
 
 def _attention(heads, kv_heads, head_dim, partial, bias=False, seed=0):
@@ -270,6 +324,33 @@ def test_a_failed_build_falls_back_or_raises_when_required(monkeypatch, tmp_path
         assert native.library("gdn_decode") is None
     assert "building the gdn_decode kernel failed" in caplog.text
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.part"))
+
+
+def test_a_damaged_build_is_built_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.library("rms_norm") is not None
+    (built,) = tmp_path.glob("rms_norm-*.so")
+    built.unlink()  # (a new file: this process has the old one mapped)
+    built.write_bytes(b"not a shared object")
+    # another process: this one's loader would hand back the library it already holds by that name
+    load = "import kernels.native as n; assert n.library('rms_norm').hcw_rms_norm"
+    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "HCW_NATIVE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "building it again" in done.stderr and built.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_a_missing_source_falls_back_or_raises_when_required(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    with pytest.raises(native.NativeUnavailable, match="no_such_kernel"):
+        native.library("no_such_kernel")
+    monkeypatch.setenv("HCW_NATIVE", "auto")
+    monkeypatch.setattr(native, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.library("no_such_kernel") is None
+    assert "source cannot be read" in caplog.text
 
 
 def test_native_off_and_a_bad_setting(monkeypatch):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import hf_reference as ref
 from engine import load_model
 from engine.cache.prefix_cache import CacheConfig, PrefixCache
-from engine.cache.prefix_index import PrefixIndex
+from engine.cache.prefix_index import PrefixIndex, segment_hash
 from engine.engine import Engine, SamplingParams
 
 B = 16
@@ -257,6 +257,23 @@ def test_a_match_after_other_matches_is_a_fresh_index_match(queries):
         got, expected = reused.match(tokens), filled().match(tokens)
         assert [n.key for n in got.segments] == [n.key for n in expected.segments]
         assert got.logical_tokens == expected.logical_tokens and got.collisions == expected.collisions
+    # a match that stops half way (here the hash raises) leaves the kept keys true to their bytes
+    budget = {"calls": None}
+
+    def flaky(parent, fp, data):  # the same hash, failing once its budget of calls is spent
+        if budget["calls"] is not None:
+            budget["calls"] -= 1
+            if budget["calls"] < 0:
+                raise RuntimeError("interrupted")
+        return segment_hash(parent, fp, data)
+    reused.hash_fn = flaky
+    reused.match([1, 2, 3, 0, 1, 1, 1, 1, 0])
+    budget["calls"] = 1
+    with pytest.raises(RuntimeError):  # shares the first segment with the last match; fails at the third
+        reused.match([1, 2, 3, 0, 0, 1, 2, 3, 3, 3, 3, 3, 2, 2, 2, 2])
+    budget["calls"] = None
+    for tokens in ([1, 2, 3, 0, 1, 1, 1, 1, 0], [1, 2, 3, 0, 0, 1, 2, 3, 3, 3, 3, 3, 2, 2, 2, 2]):
+        assert [n.key for n in reused.match(tokens).segments] == [n.key for n in filled().match(tokens).segments]
     weak = lambda parent, fp, data: b"\1" * 16  # noqa: E731  (a new hash: the kept keys no longer apply)
     reused.hash_fn = weak
     assert reused.match([1, 2, 3, 0, 0, 1, 2, 3]).segments == []

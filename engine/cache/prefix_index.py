@@ -77,7 +77,8 @@ class PrefixIndex:
         self.nodes: dict[bytes, SegmentNode] = {}
         self.roots: dict[bytes, SegmentNode] = {}
         self.collisions = 0
-        self._memo: tuple[Callable | None, bytes, list[bytes]] = (None, b"", [])  # (hash_fn, bytes, keys) last matched
+        # the last match's (hash_fn, fingerprint, token bytes, keys of its segments hashed so far)
+        self._memo: tuple[Callable | None, bytes, bytes, list[bytes]] = (None, b"", b"", [])
 
     def keys_for(self, tokens: Sequence[int]) -> list[bytes]:
         """Chained keys of every whole segment of `tokens`."""
@@ -97,9 +98,12 @@ class PrefixIndex:
         # keys of the whole segments this request shares with the last one matched are taken from
         # it (a conversation's next turn repeats its whole prefix): only new segments are hashed
         hash_fn, fingerprint, lookup, verify = self.hash_fn, self.fingerprint, self.nodes.get, self.verify_tokens
-        memo_fn, memo_raw, keys = self._memo
-        same = _common_segments(raw, memo_raw, seg_bytes, len(keys)) if memo_fn is hash_fn else 0
-        del keys[same:]
+        memo_fn, memo_fp, memo_raw, memo_keys = self._memo
+        same = (_common_segments(raw, memo_raw, seg_bytes, len(memo_keys))
+                if memo_fn is hash_fn and memo_fp == fingerprint else 0)
+        # a new list, the kept one untouched: a match that stops half way (an exception) or runs
+        # beside another leaves the kept keys true to their bytes
+        keys = memo_keys[:same]
         parent = keys[-1] if keys else ROOT
         for j in range(len(tokens) // b):
             chunk = raw[seg_bytes * j:seg_bytes * (j + 1)]
@@ -115,7 +119,7 @@ class PrefixIndex:
                 collisions += 1
                 break
             found.append(node)
-        self._memo = (hash_fn, raw[:seg_bytes * len(keys)], keys)
+        self._memo = (hash_fn, fingerprint, raw[:seg_bytes * len(keys)], keys)
         self.collisions += collisions
         logical = len(found) * b
         # token-level: how far the next (partial or unmatched) segment agrees with a cached child

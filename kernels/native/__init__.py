@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -97,18 +98,27 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler (cc, gcc or $CC): the %s kernel runs on the torch path", name)
         return None
-    target = cache_dir() / f"{name}-{_digest(source, compiler)}.so"
-    if not target.exists():
-        try:
-            _compile(source, compiler, target)
-        except (OSError, subprocess.SubprocessError) as err:
-            log.warning("building the %s kernel failed, it runs on the torch path: %s", name, err)
-            return None
     try:
-        return ctypes.CDLL(str(target))
-    except OSError as err:
-        log.warning("loading the %s kernel (%s) failed, it runs on the torch path: %s", name, target, err)
+        target = cache_dir() / f"{name}-{_digest(source, compiler)}.so"
+    except OSError as err:  # the source is not installed
+        log.warning("the %s kernel's source cannot be read, it runs on the torch path: %s", name, err)
         return None
+    for attempt in range(2):
+        if not target.exists():
+            try:
+                _compile(source, compiler, target)
+            except (OSError, subprocess.SubprocessError) as err:
+                log.warning("building the %s kernel failed, it runs on the torch path: %s", name, err)
+                return None
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError as err:
+            if attempt == 0:  # a damaged build in the cache: built again once
+                log.warning("loading %s failed (%s); building it again", target, err)
+                target.unlink(missing_ok=True)
+                continue
+            log.warning("loading the %s kernel (%s) failed, it runs on the torch path: %s", name, target, err)
+    return None
 
 
 def _compile(source: Path, compiler: str, target: Path) -> None:
@@ -116,7 +126,7 @@ def _compile(source: Path, compiler: str, target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".part")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", partial, "-lm"],
+        done = subprocess.run([*shlex.split(compiler), *FLAGS, str(source), "-o", partial, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise subprocess.SubprocessError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")

@@ -56,8 +56,8 @@ def prepare(proj: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, co
     for t in (q_scale, k_scale, cos, sin):
         if t.dtype is not torch.float32 or not t.is_contiguous():
             raise ValueError("attention decode parameters must be contiguous float32")
-    q = torch.empty(b, n_heads, 1, d)
-    gate = torch.empty(b, 1, n_heads * d)
+    q = torch.empty(b, n_heads, 1, d, dtype=torch.float32, device="cpu")  # not the default dtype: C writes float32
+    gate = torch.empty(b, 1, n_heads * d, dtype=torch.float32, device="cpu")
     kernel()(proj.data_ptr(), proj.stride(0), q_scale.data_ptr(), k_scale.data_ptr(), cos.data_ptr(), sin.data_ptr(),
              rotary_dim, q.data_ptr(), gate.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0),
              k_buf.stride(1), pos, b, n_heads, n_kv, d, eps)

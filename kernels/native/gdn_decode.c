@@ -50,9 +50,11 @@ void hcw_gdn_decode(const float *p_proj, long proj_stride,
             for (int j = 0; j < K - 1; j++) acc += hist[j] * w[j];
             acc += proj[c] * w[K - 1];
             mixed[c] = silu(acc);
-            float *keep = conv_out + (long)c * (K - 1);
-            for (int j = 0; j < K - 2; j++) keep[j] = hist[j + 1];
-            keep[K - 2] = proj[c];
+            if (K > 1) {  /* a one-tap conv keeps no window */
+                float *keep = conv_out + (long)c * (K - 1);
+                for (int j = 0; j < K - 2; j++) keep[j] = hist[j + 1];
+                keep[K - 2] = proj[c];
+            }
         }
         for (int h = 0; h < HK; h++) {
             l2_normalise(mixed + h * DK, DK, l2_eps, q_scale);

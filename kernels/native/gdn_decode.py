@@ -64,10 +64,13 @@ def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
     for t in (taps, neg_a, dt_bias, norm_w):
         if t.dtype is not torch.float32 or not t.is_contiguous():
             raise ValueError("GDN decode parameters must be contiguous float32")
-    out = torch.empty(b, hv * dv)
+    out = torch.empty(b, hv * dv, dtype=torch.float32, device="cpu")  # not the default dtype: C writes float32
     conv_new = torch.empty_like(conv)
     rec_new = torch.empty_like(recurrent)
-    g, bv = (torch.empty(b, 1, hv), torch.empty(b, 1, hv)) if stats else (None, None)
+    g = bv = None
+    if stats:
+        g = torch.empty(b, 1, hv, dtype=torch.float32, device="cpu")
+        bv = torch.empty(b, 1, hv, dtype=torch.float32, device="cpu")
     kernel()(proj.data_ptr(), proj.stride(0), conv.data_ptr(), conv_new.data_ptr(), taps.data_ptr(),
              neg_a.data_ptr(), dt_bias.data_ptr(), recurrent.data_ptr(), rec_new.data_ptr(), norm_w.data_ptr(),
              out.data_ptr(), g.data_ptr() if stats else None, bv.data_ptr() if stats else None,
