@@ -312,17 +312,23 @@ def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
     assert compiled == [] and built[0].stat().st_mtime_ns == stamp
 
 
-def test_a_failed_build_falls_back_or_raises_when_required(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("name, cc, message", [
+    ("gdn_decode", "false", "building the gdn_decode kernel failed"),  # a compiler that always fails
+    ("no_such_kernel", None, "source cannot be read"),  # a source that is not installed
+])
+def test_a_kernel_that_cannot_be_built_falls_back_or_raises_when_required(name, cc, message, monkeypatch,
+                                                                           tmp_path, caplog):
     monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    if cc is not None:
+        monkeypatch.setenv("CC", cc)
     monkeypatch.setattr(native, "_loaded", {})
-    with pytest.raises(native.NativeUnavailable, match="gdn_decode"):
-        native.library("gdn_decode")
+    with pytest.raises(native.NativeUnavailable, match=name):
+        native.library(name)
     monkeypatch.setenv("HCW_NATIVE", "auto")
     monkeypatch.setattr(native, "_loaded", {})
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
-        assert native.library("gdn_decode") is None
-    assert "building the gdn_decode kernel failed" in caplog.text
+        assert native.library(name) is None
+    assert message in caplog.text
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.part"))
 
 
@@ -339,18 +345,6 @@ def test_a_damaged_build_is_built_again(monkeypatch, tmp_path):
                           env={**os.environ, "HCW_NATIVE": "1"})
     assert done.returncode == 0, done.stderr
     assert "building it again" in done.stderr and built.read_bytes()[:4] == b"\x7fELF"
-
-
-def test_a_missing_source_falls_back_or_raises_when_required(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "_loaded", {})
-    with pytest.raises(native.NativeUnavailable, match="no_such_kernel"):
-        native.library("no_such_kernel")
-    monkeypatch.setenv("HCW_NATIVE", "auto")
-    monkeypatch.setattr(native, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
-        assert native.library("no_such_kernel") is None
-    assert "source cannot be read" in caplog.text
 
 
 def test_native_off_and_a_bad_setting(monkeypatch):
