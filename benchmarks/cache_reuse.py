@@ -33,12 +33,14 @@ from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_r
 
 BLOCK = 16
 POLICIES = {
-    "hcw (every 4 segments + request ends + branch points + the last 3 before a 4K+ prompt's end)":
-        dict(checkpoint_every=4),
+    "hcw (every 4 segments + request ends + branch points + the last 3 before a 4K+ prompt's end; "
+    "else an exact replay from the start)": dict(checkpoint_every=4),
+    # the baselines resume at their checkpoints only: neither engine replays GDN layers over cached KV
     "vLLM-style (aligned blocks of 528 tokens only)": dict(checkpoint_every=528 // BLOCK, checkpoint_request_end=False,
-                                                           checkpoint_branch_point=False, checkpoint_tail=0),
+                                                           checkpoint_branch_point=False, checkpoint_tail=0,
+                                                           exact_replay_cost=None),
     "SGLang-style (request ends only)": dict(checkpoint_every=1 << 30, checkpoint_branch_point=False,
-                                             checkpoint_tail=0),
+                                             checkpoint_tail=0, exact_replay_cost=None),
 }
 
 

@@ -450,16 +450,23 @@ def test_an_edit_near_the_end_of_a_long_prompt_resumes_at_the_boundary_before_it
 
 def test_no_tail_and_no_request_ends_keep_no_snapshot_before_the_prompt_end(model):
     """checkpoint_tail=0 keeps nothing of its own: with request ends and branch points off too and
-    K past the prompt, no boundary keeps its snapshots and a resume recomputes (the simulated
-    vLLM-style baseline of benchmarks/cache_reuse.py relies on it)."""
-    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=100, checkpoint_tail=0,
-                                           checkpoint_request_end=False, checkpoint_branch_point=False))
-    engine = Engine(model, cache=cache)
+    K past the prompt, no boundary keeps its snapshots and a resume that may only start at a
+    checkpoint recomputes (the simulated vLLM-style baseline of benchmarks/cache_reuse.py relies on
+    it); by default the exact plan replays the GDN layers from the start over the cached KV."""
     prompt = torch.randint(0, 97, (90,), generator=torch.Generator().manual_seed(5)).tolist()
-    engine.start(prompt).finish()
-    run = engine.start(prompt + [4, 5])
-    assert run.plan.usable_tokens == 0
-    assert (run.logits - _cold_logits(model, prompt + [4, 5])).abs().max().item() <= 1e-4
+    for replay_cost in (None, 0.8):
+        cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=100, checkpoint_tail=0,
+                                               checkpoint_request_end=False, checkpoint_branch_point=False,
+                                               exact_replay_cost=replay_cost))
+        engine = Engine(model, cache=cache)
+        engine.start(prompt).finish()
+        run = engine.start(prompt + [4, 5])
+        if replay_cost is None:
+            assert run.plan.usable_tokens == 0 and run.plan.replay_from is None
+        elif cache.validator.replayable:  # GDN layers and token-addressable KV: the whole match replayed
+            assert run.plan.usable_tokens == 80 and run.plan.replay_from == 0 and run.plan.exact
+            assert run.plan.replay_bound == 0.0 and not any("budget" in n for n in run.plan.notes)
+        assert (run.logits - _cold_logits(model, prompt + [4, 5])).abs().max().item() <= 1e-4
 
 
 def test_a_short_prompt_part_gets_no_dense_tail(model):
@@ -474,11 +481,34 @@ def test_a_short_prompt_part_gets_no_dense_tail(model):
     assert run.plan.usable_tokens == 128  # not 144: 160 computed tokens are under the minimum
 
 
-def test_checkpoint_tail_must_not_be_negative():
+def test_checkpoint_tail_and_replay_cost_settings_are_checked():
     with pytest.raises(ValueError, match="checkpoint_tail"):
         CacheConfig(checkpoint_tail=-1)
     with pytest.raises(ValueError, match="checkpoint_tail_min"):
         CacheConfig(checkpoint_tail_min=-1)
+    for bad in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="exact_replay_cost"):
+            CacheConfig(exact_replay_cost=bad)
+
+
+def test_the_exact_plan_replays_only_when_the_checkpoint_leaves_more_to_recompute(model):
+    """A checkpoint close to the end of the match is resumed at; one far from it (here at the
+    start: none at all) is replayed past, exactly, by replaying the whole match."""
+    prompt = torch.randint(0, 97, (200,), generator=torch.Generator().manual_seed(7)).tolist()
+    usable = {}
+    for every in (4, 100):
+        cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=every, checkpoint_tail=0,
+                                               checkpoint_request_end=False, checkpoint_branch_point=False))
+        engine = Engine(model, cache=cache)
+        engine.start(prompt).finish()
+        run = engine.start(prompt + [4])
+        usable[every] = run.plan.usable_tokens, run.plan.replay_from
+        assert run.plan.exact and (run.logits - _cold_logits(model, prompt + [4])).abs().max().item() <= 1e-4
+    assert usable[4] == (192, None)  # the every-4 checkpoint at 192 reaches the end of the match
+    if cache.validator.replayable:
+        assert usable[100] == (192, 0)
+    else:  # no GDN layer (DeepSeek-V4): nothing to replay, the resume is at the last snapshot
+        assert usable[100][1] is None and usable[100][0] < 192
 
 
 def test_shadow_verification_catches_what_validation_cannot_and_answers_cold(model):

@@ -2,9 +2,9 @@
 replay budget, on RULER-style needle tasks (workbench.tiny.data.needle_task).
 
 For each task the context is cached by an earlier request that asked something else, with GDN
-checkpoints only past the context (none inside it), so a resume at the context's end must either
-recompute from the start (exact) or rebuild the GDN states by replay (approximate, within the
-budget). Every policy is measured on the same tasks in one process: fidelity against the full
+checkpoints only past the context (none inside it), so a resume at the context's end must rebuild
+the GDN states by replay: of the whole context from its start (exact: the exact policy replays
+over the cached KV rather than recompute) or of a tail (approximate, within the budget). Every policy is measured on the same tasks in one process: fidelity against the full
 prefill (top-1 agreement and mean KL over the next 64 greedy tokens, teacher-forced; each GDN
 layer's relative state error), task accuracy (the greedy answer is the needle's value), TTFT,
 tokens replayed and the certified bound. An exact policy that keeps GDN checkpoints every 4

@@ -57,6 +57,10 @@ class CacheConfig:
     reuse: str = "exact"  # "exact" | "approximate" (Tail-Replay, labelled) | "off"
     replay_budget: float | None = 0.05  # approximate: tokens a GDN replay may take (fraction of the match if < 1)
     replay_tolerance: float | None = None  # approximate, adaptive: per layer the shortest replay within this bound
+    # exact: a GDN replay of a whole match from its start (exact: the state there is zero), over its
+    # cached KV, costs about this share of recomputing it; when the nearest checkpoint leaves more
+    # than this share to recompute, the replay is taken instead (None: resume at checkpoints only)
+    exact_replay_cost: float | None = 0.8
     max_pending_recoveries: int = 4  # admission cap: reuses in flight that still need recovery
     recovery_budget_tokens: int = 1 << 16  # admission cap: tokens those may recompute, together
     static: bool = False  # static execution: freeze the cache topology, check it on every replay
@@ -77,6 +81,8 @@ class CacheConfig:
         unknown = sorted({g for g, _ in self.group_budgets} - set(GROUPS))
         if unknown:
             raise ValueError(f"unknown cache groups {unknown}; groups: {', '.join(GROUPS)}")
+        if self.exact_replay_cost is not None and not 0 < self.exact_replay_cost <= 1:
+            raise ValueError("exact_replay_cost must be in (0, 1], or None")
         if self.reuse not in ("exact", "approximate", "off"):
             raise ValueError(f"reuse must be 'exact', 'approximate' or 'off', got {self.reuse!r}")
         self.replay_policy  # checks the budget and tolerance
@@ -135,7 +141,8 @@ class PrefixCache:
         # inputs, and (V4-kind layers) a window and the open compressor windows to rebuild
         warmup = max([p["conv"].data.shape[-1] for p in self.template_pieces if "conv" in p]
                      + [blk.mixer.replay_warmup for blk in model.layers if hasattr(blk.mixer, "replay_warmup")])
-        self.validator = Validator(self.config.block_size, self.layout, reqs, self.config.replay_policy, warmup)
+        self.validator = Validator(self.config.block_size, self.layout, reqs, self.config.replay_policy, warmup,
+                                   self.config.exact_replay_cost)
         self.metrics = CacheMetrics()
         self.events: deque[CacheLookup] = deque(maxlen=1000)
         self.admission = AdmissionControl(self.config.max_pending_recoveries, self.config.recovery_budget_tokens)

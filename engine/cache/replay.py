@@ -22,7 +22,9 @@ import torch
 
 @dataclass(frozen=True)
 class ReplayPolicy:
-    """exact: resume at the nearest earlier checkpoint and recompute from there. approximate
+    """exact: resume at the nearest earlier checkpoint and recompute from there, or (the
+    validator decides, by `CacheConfig.exact_replay_cost`) replay the whole match from its start,
+    which is exact too. approximate
     (Tail-Replay): replay at most `budget` tokens (a fraction of the matched prefix if < 1, else
     a token count; None: no cap) from a zero state; with `tolerance`, the shortest replay whose
     certified bound is below it in every GDN layer (adaptive). An exact checkpoint inside the

@@ -21,7 +21,7 @@ import torch
 
 from engine.cache.prefix_index import MatchResult
 from engine.cache.recovery import route
-from engine.cache.replay import ReplayPolicy, choose
+from engine.cache.replay import ReplayChoice, ReplayPolicy, choose
 from engine.cache.state_table import StateTable
 
 ALIGNMENT = 16  # bytes: what vectorised CPU and GPU loads expect of a buffer's base address
@@ -99,9 +99,13 @@ class Requirement:
 
 class Validator:
     def __init__(self, block_size: int, layout: bytes, requirements: list[Requirement],
-                 policy: ReplayPolicy | None = None, replay_warmup: int = 0):
+                 policy: ReplayPolicy | None = None, replay_warmup: int = 0, exact_replay_cost: float | None = 0.8):
         self.block_size = block_size
         self.replay_warmup = replay_warmup  # tokens before a recurrent restart that rebuild the conv state
+        # exact policy: a replay of the whole match from its start costs this share of recomputing
+        # it; below the share of the match a checkpoint leaves to recompute, the exact plan replays
+        # instead (None: never)
+        self.exact_replay_cost = exact_replay_cost
         self.layout = layout
         self.requirements = tuple(requirements)
         # what every plan reads of them, derived once: a hit's whole validation is ~25 us
@@ -173,6 +177,13 @@ class Validator:
             plan = self._tail_replay(prompt_len, match, records, limit, k, failures, notes, n_asked, approximate)
             if plan is not None:
                 return plan
+        elif (self.policy.mode == "exact" and self.replayable and k < limit and self.exact_replay_cost is not None
+              and self.exact_replay_cost * limit < limit - k):
+            # no checkpoint near the end of the match: replaying the GDN layers from the prefix
+            # start over the cached KV is exact and costs less than recomputing from the checkpoint
+            layers = sorted({r.layer for r in self.requirements if r.kind in GDN_KINDS})
+            full = ReplayChoice(0, limit * b, tuple((layer, 0) for layer in layers), tuple((layer, 0.0) for layer in layers))
+            return self._replay_plan(prompt_len, match, records, limit, k, failures, notes, n_asked, full, exact=True)
 
         objects: list[ObjectPlan] = []
         if unavailable is not None:
@@ -214,7 +225,15 @@ class Validator:
         pick = choose(self.policy, end, decay, self.replay_warmup, stride)
         if pick is None or (k > 0 and k * b >= pick.begin):
             return None  # nothing within the budget, or a checkpoint inside the window: replay from it, exactly
-        exact = pick.bound == 0.0 and not approximate
+        return self._replay_plan(prompt_len, match, records, limit, k, failures, notes, n_asked, pick,
+                                 exact=pick.bound == 0.0 and not approximate)
+
+    def _replay_plan(self, prompt_len, match, records, limit, k, failures, notes, n_asked, pick: ReplayChoice,
+                     exact: bool) -> ReusePlan:
+        """The plan that reuses every token-addressable state up to `limit` segments and replays
+        [pick.begin, limit * B) to rebuild the GDN states (and the snapshots replay rebuilds)."""
+        b = self.block_size
+        end = limit * b
         rebuilt = GDN_KINDS | REBUILT_BY_REPLAY
         other = sorted({r.kind for r in self.requirements if r.kind not in rebuilt})
         replayed = sorted({r.kind for r in self.requirements if r.kind in rebuilt})
@@ -228,12 +247,14 @@ class Validator:
                        f"no GDN checkpoint in [{pick.begin}, {end}]; nearest at {k * b}"),
             ObjectPlan("all", Action.RECOMPUTE, (end, prompt_len), (), "prefill"),
         )
-        cap = self.policy.tokens(end)
+        cap = self.policy.tokens(end) if self.policy.mode == "approximate" else None
         if set(replayed) - GDN_KINDS:
             notes = notes + [f"{', '.join(k for k in replayed if k not in GDN_KINDS)} rebuilt by the same replay; "
                              "compressed entries read exact from the cache"]
         notes = notes + [f"GDN states rebuilt by replaying tokens [{pick.begin}, {end})"
                          + (f" (budget {cap} tokens)" if cap is not None else "")
+                         + (" (exact policy: cheaper than recomputing from the nearest checkpoint)"
+                            if self.policy.mode == "exact" else "")
                          + (f"; per-layer restarts {dict(pick.starts)}" if self.policy.adaptive else "")]
         return ReusePlan(prompt_len, match.logical_tokens, len(records) * b, end,
                          tuple(r.key for r in records[:limit]), objects, tuple(failures), exact=exact,
