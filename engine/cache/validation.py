@@ -120,6 +120,10 @@ class Validator:
         # kind one the replay rebuilds too (windows, tails, overlaps)
         snapshot_kinds = {r.kind for r in requirements if not r.per_segment}
         self.replayable = bool(snapshot_kinds & GDN_KINDS) and snapshot_kinds <= GDN_KINDS | REBUILT_BY_REPLAY
+        # the exact policy's whole-match replay pays only where the replay rebuilds GDN states
+        # alone: windows and compressors rebuilt beside them made it slower than a prefill (0.9x
+        # on hcw-tiny at 8K and 16K)
+        self.exact_replayable = bool(snapshot_kinds & GDN_KINDS) and snapshot_kinds <= GDN_KINDS
 
     def plan(self, prompt_len: int, match: MatchResult, table: StateTable) -> ReusePlan:
         b = self.block_size
@@ -177,7 +181,7 @@ class Validator:
             plan = self._tail_replay(prompt_len, match, records, limit, k, failures, notes, n_asked, approximate)
             if plan is not None:
                 return plan
-        elif (self.policy.mode == "exact" and self.replayable and k < limit and self.exact_replay_cost is not None
+        elif (self.policy.mode == "exact" and self.exact_replayable and k < limit and self.exact_replay_cost is not None
               and self.exact_replay_cost * limit < limit - k):
             # no checkpoint near the end of the match: replaying the GDN layers from the prefix
             # start over the cached KV is exact and costs less than recomputing from the checkpoint
