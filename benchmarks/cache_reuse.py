@@ -38,9 +38,9 @@ POLICIES = {
     # the baselines resume at their checkpoints only: neither engine replays GDN layers over cached KV
     "vLLM-style (aligned blocks of 528 tokens only)": dict(checkpoint_every=528 // BLOCK, checkpoint_request_end=False,
                                                            checkpoint_branch_point=False, checkpoint_tail=0,
-                                                           exact_replay_cost=None),
+                                                           exact_replay=False),
     "SGLang-style (request ends only)": dict(checkpoint_every=1 << 30, checkpoint_branch_point=False,
-                                             checkpoint_tail=0, exact_replay_cost=None),
+                                             checkpoint_tail=0, exact_replay=False),
 }
 
 

@@ -184,6 +184,8 @@ class Engine:
             t0 = time.perf_counter()
             self.replay(fed[plan.replay_from:plan.usable_tokens], state, plan.replay_from, dict(plan.replay_starts))
             self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
+            if plan.exact:
+                writer.capture_replayed(state)
         recover_to = plan.matched_tokens if any(o.action.value == "recover" for o in plan.objects) else 0
         if state.seq_len < recover_to:
             # the recovery work, timed on its own: recompute what a missing state kind cost us

@@ -454,14 +454,14 @@ def test_no_tail_and_no_request_ends_keep_no_snapshot_before_the_prompt_end(mode
     checkpoint recomputes (the simulated vLLM-style baseline of benchmarks/cache_reuse.py relies on
     it); by default the exact plan replays the GDN layers from the start over the cached KV."""
     prompt = torch.randint(0, 97, (90,), generator=torch.Generator().manual_seed(5)).tolist()
-    for replay_cost in (None, 0.8):
+    for replay in (False, True):
         cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=100, checkpoint_tail=0,
                                                checkpoint_request_end=False, checkpoint_branch_point=False,
-                                               exact_replay_cost=replay_cost))
+                                               exact_replay=replay))
         engine = Engine(model, cache=cache)
         engine.start(prompt).finish()
         run = engine.start(prompt + [4, 5])
-        if replay_cost is None:
+        if not replay:
             assert run.plan.usable_tokens == 0 and run.plan.replay_from is None
         elif cache.validator.exact_replayable:  # GDN layers and full-attention KV: the whole match replayed
             assert run.plan.usable_tokens == 80 and run.plan.replay_from == 0 and run.plan.exact
@@ -493,10 +493,11 @@ def test_checkpoint_tail_and_replay_cost_settings_are_checked():
 
 def test_the_exact_plan_replays_only_when_the_checkpoint_leaves_more_to_recompute(model):
     """A checkpoint close to the end of the match is resumed at; one far from it (here at the
-    start: none at all) is replayed past, exactly, by replaying the whole match."""
+    start: none at all) is replayed past, exactly, by replaying the whole match; the replay counts
+    against the recovery budget and leaves a checkpoint where it ended, so a resend replays nothing."""
     prompt = torch.randint(0, 97, (200,), generator=torch.Generator().manual_seed(7)).tolist()
     usable = {}
-    for every in (4, 100):
+    for every in (4, 5, 100):  # checkpoints at 192; at 80 and 160; none inside the 192-token match
         cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=every, checkpoint_tail=0,
                                                checkpoint_request_end=False, checkpoint_branch_point=False))
         engine = Engine(model, cache=cache)
@@ -504,12 +505,32 @@ def test_the_exact_plan_replays_only_when_the_checkpoint_leaves_more_to_recomput
         run = engine.start(prompt + [4])
         usable[every] = run.plan.usable_tokens, run.plan.replay_from
         assert run.plan.exact and (run.logits - _cold_logits(model, prompt + [4])).abs().max().item() <= 1e-4
+        assert cache.admission.recovery_tokens(run.plan) >= run.plan.replay_tokens
+        run.finish()
+        again = engine.start(prompt + [4])
+        assert again.plan.replay_from is None and again.plan.usable_tokens == usable[every][0]
+        again.finish()
     assert usable[4] == (192, None)  # the every-4 checkpoint at 192 reaches the end of the match
+    assert usable[5] == (160, None)  # 2 of 12 segments to recompute: less than any replay of all 12
     if cache.validator.exact_replayable:
         assert usable[100] == (192, 0)
     else:  # no GDN layer (DeepSeek-V4), or windows and compressors to rebuild beside them (hcw_hybrid,
         # where such a replay is slower than a prefill): the resume is at the last snapshot
         assert usable[100][1] is None and usable[100][0] < 192
+
+
+def test_an_exact_replay_needs_no_decay_statistics(model):
+    """Records without the GDN decay statistics (their group's budget is 0) still replay exactly."""
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=100, checkpoint_tail=0,
+                                           checkpoint_request_end=False, checkpoint_branch_point=False,
+                                           group_budgets=(("statistics", 0),)))
+    engine = Engine(model, cache=cache)
+    prompt = torch.randint(0, 97, (120,), generator=torch.Generator().manual_seed(8)).tolist()
+    engine.start(prompt).finish()
+    assert not any(kind == "decay" for rec in cache.table for _, kind in rec.pieces)
+    run = engine.start(prompt + [4])
+    assert run.plan.exact and (run.logits - _cold_logits(model, prompt + [4])).abs().max().item() <= 1e-4
+    assert (run.plan.replay_from == 0) == cache.validator.exact_replayable
 
 
 def test_shadow_verification_catches_what_validation_cannot_and_answers_cold(model):

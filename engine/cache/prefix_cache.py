@@ -58,9 +58,10 @@ class CacheConfig:
     replay_budget: float | None = 0.05  # approximate: tokens a GDN replay may take (fraction of the match if < 1)
     replay_tolerance: float | None = None  # approximate, adaptive: per layer the shortest replay within this bound
     # exact: a GDN replay of a whole match from its start (exact: the state there is zero), over its
-    # cached KV, costs about this share of recomputing it; when the nearest checkpoint leaves more
-    # than this share to recompute, the replay is taken instead (None: resume at checkpoints only)
-    exact_replay_cost: float | None = 0.8
+    # cached KV, costs about `exact_replay_cost` of recomputing it; when the nearest checkpoint
+    # leaves more than that share to recompute, the replay is taken instead (False: checkpoints only)
+    exact_replay: bool = True
+    exact_replay_cost: float | None = None  # None: the share of layers a replay runs (through the last GDN one)
     max_pending_recoveries: int = 4  # admission cap: reuses in flight that still need recovery
     recovery_budget_tokens: int = 1 << 16  # admission cap: tokens those may recompute, together
     static: bool = False  # static execution: freeze the cache topology, check it on every replay
@@ -82,7 +83,7 @@ class CacheConfig:
         if unknown:
             raise ValueError(f"unknown cache groups {unknown}; groups: {', '.join(GROUPS)}")
         if self.exact_replay_cost is not None and not 0 < self.exact_replay_cost <= 1:
-            raise ValueError("exact_replay_cost must be in (0, 1], or None")
+            raise ValueError("exact_replay_cost must be in (0, 1], or None (from the model)")
         if self.reuse not in ("exact", "approximate", "off"):
             raise ValueError(f"reuse must be 'exact', 'approximate' or 'off', got {self.reuse!r}")
         self.replay_policy  # checks the budget and tolerance
@@ -141,8 +142,12 @@ class PrefixCache:
         # inputs, and (V4-kind layers) a window and the open compressor windows to rebuild
         warmup = max([p["conv"].data.shape[-1] for p in self.template_pieces if "conv" in p]
                      + [blk.mixer.replay_warmup for blk in model.layers if hasattr(blk.mixer, "replay_warmup")])
+        replay_cost = self.config.exact_replay_cost
+        if replay_cost is None:  # a replay runs the layers up to the last GDN one: at least the rest is saved
+            gdn = [i for i, pieces in enumerate(self.template_pieces) if "recurrent" in pieces]
+            replay_cost = (max(gdn) + 1) / len(self.template_pieces) if gdn else 1.0
         self.validator = Validator(self.config.block_size, self.layout, reqs, self.config.replay_policy, warmup,
-                                   self.config.exact_replay_cost)
+                                   replay_cost if self.config.exact_replay else None)
         self.metrics = CacheMetrics()
         self.events: deque[CacheLookup] = deque(maxlen=1000)
         self.admission = AdmissionControl(self.config.max_pending_recoveries, self.config.recovery_budget_tokens)
@@ -334,7 +339,10 @@ class PrefixCache:
             for i, template in enumerate(self.template.layers):
                 if fresh is not None and "recurrent" in self.template_pieces[i]:
                     # rebuilt by the replay, from zero; its statistics continue the recorded ones
-                    fresh.layers[i].resume_stats(plan.usable_tokens, [r.pieces[(i, "decay")].data for r in records])
+                    # (an exact replay from the start needs no statistics: a record may lack them)
+                    decay = [r.pieces[(i, "decay")].data for r in records] if all(
+                        (i, "decay") in r.pieces for r in records) else None
+                    fresh.layers[i].resume_stats(plan.usable_tokens, decay)
                     layers.append(fresh.layers[i])
                     continue
                 replayed = plan.replay_from is not None and hasattr(template, "for_replay")
@@ -412,6 +420,7 @@ class RequestWriter:
         self.prompt_end_key: bytes | None = None  # the prompt's last whole segment: resent prompts resume here
         self.captured: list[tuple[bytes, int]] = []  # (key, segment index) whose snapshots we added
         self.exact = plan.exact  # what follows an approximate resume is approximate too
+        self.replayed: bytes | None = None  # the boundary an exact replay ended at, kept as a checkpoint
         # the dense tail before the prompt's end, for a request with a long prompt part only
         cfg = cache.config
         self.tail = cfg.checkpoint_tail if self.prompt_end - plan.usable_tokens >= cfg.checkpoint_tail_min else 0
@@ -462,6 +471,18 @@ class RequestWriter:
                 if self.first is None:
                     self.first = node.key
 
+    def capture_replayed(self, state: ModelState) -> None:
+        """After an exact replay over the usable prefix (state.seq_len, a boundary): that boundary's
+        record keeps the rebuilt GDN snapshots, so the next request resuming there replays nothing."""
+        if self.cache.config.reuse == "off" or not self.exact or self.parent == ROOT:
+            return
+        b = self.cache.block_size
+        j = state.seq_len // b - 1
+        pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
+                  for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=True).items() if not piece.per_segment}
+        self.cache.table.put(self.parent, j, self.cache.layout, pieces, exact=True)
+        self.replayed = self.parent
+
     def finish(self) -> None:
         """Keep boundary snapshots only every K segments, at the request end, at the branch point
         (the first boundary this request wrote) and, for a long prompt part, at the last
@@ -475,7 +496,7 @@ class RequestWriter:
             return
         cfg = self.cache.config
         every = cfg.checkpoint_every
-        keep = set()
+        keep = {self.replayed} if self.replayed is not None else set()
         if cfg.checkpoint_branch_point and self.first is not None:
             keep.add(self.first)
         if cfg.checkpoint_request_end:

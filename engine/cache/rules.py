@@ -34,8 +34,10 @@ class AdmissionControl:
 
     @staticmethod
     def recovery_tokens(plan: ReusePlan) -> int:
-        """Tokens the plan recomputes *because* state was missing (beyond the matched prefix's end)."""
-        return plan.matched_tokens - plan.usable_tokens if any(o.action == Action.RECOVER for o in plan.objects) else 0
+        """Tokens the plan recomputes *because* state was missing (beyond the matched prefix's end),
+        and those a replay runs to rebuild GDN states."""
+        missing = plan.matched_tokens - plan.usable_tokens if any(o.action == Action.RECOVER for o in plan.objects) else 0
+        return missing + plan.replay_tokens
 
     def admit(self, plan: ReusePlan) -> int | None:
         """A ticket to hold while the plan is carried out, or None: do not reuse, recompute."""

@@ -248,7 +248,8 @@ class Validator:
             ObjectPlan(",".join(replayed), Action.RECOVER, (pick.begin, end),
                        tuple(sorted({r.layer for r in self.requirements if r.kind in rebuilt})),
                        f"tail replay of {end - pick.begin} tokens from a zero state ({how})",
-                       f"no GDN checkpoint in [{pick.begin}, {end}]; nearest at {k * b}"),
+                       f"no GDN checkpoint in [{pick.begin}, {end}]; nearest at {k * b}" if k * b < pick.begin
+                       else f"the nearest GDN checkpoint, at {k * b}, leaves more to recompute than this replay"),
             ObjectPlan("all", Action.RECOMPUTE, (end, prompt_len), (), "prefill"),
         )
         cap = self.policy.tokens(end) if self.policy.mode == "approximate" else None
