@@ -111,7 +111,10 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
                 log.warning("building the %s kernel failed, it runs on the torch path: %s", name, err)
                 return None
         try:
-            return ctypes.CDLL(str(target))
+            # PyDLL: the call keeps the GIL. These kernels run for microseconds; releasing and
+            # retaking the GIL around each (CDLL) hands it to any other thread that waits for it,
+            # such as `hcw chat`'s engine process's pipe threads, and the decode then waits in turn
+            return ctypes.PyDLL(str(target))
         except OSError as err:
             if attempt == 0:  # a damaged build in the cache: built again once
                 log.warning("loading %s failed (%s); building it again", target, err)
