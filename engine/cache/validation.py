@@ -99,12 +99,12 @@ class Requirement:
 
 class Validator:
     def __init__(self, block_size: int, layout: bytes, requirements: list[Requirement],
-                 policy: ReplayPolicy | None = None, replay_warmup: int = 0, exact_replay_cost: float | None = 0.8):
+                 policy: ReplayPolicy | None = None, replay_warmup: int = 0, exact_replay_cost: float | None = None):
         self.block_size = block_size
         self.replay_warmup = replay_warmup  # tokens before a recurrent restart that rebuild the conv state
         # exact policy: a replay of the whole match from its start costs this share of recomputing
         # it; below the share of the match a checkpoint leaves to recompute, the exact plan replays
-        # instead (None: never)
+        # instead (None: never; PrefixCache derives it from the model)
         self.exact_replay_cost = exact_replay_cost
         self.layout = layout
         self.requirements = tuple(requirements)
@@ -114,6 +114,7 @@ class Validator:
         self._snapshots = {(r.layer, r.kind) for r in self.requirements if not r.per_segment}
         self._reuse_kinds = ",".join(sorted({r.kind for r in self.requirements}))
         self._all_layers = tuple(sorted({r.layer for r in self.requirements}))
+        self._gdn_layers = sorted({r.layer for r in self.requirements if r.kind in GDN_KINDS})
         self.policy = policy or ReplayPolicy()
         # Tail-Replay needs GDN states to rebuild, every token-addressable kind (full-attention KV,
         # compressed entries, indexer keys) read exact at any boundary, and every other snapshot
@@ -185,7 +186,7 @@ class Validator:
               and self.exact_replay_cost * limit < limit - k):
             # no checkpoint near the end of the match: replaying the GDN layers from the prefix
             # start over the cached KV is exact and costs less than recomputing from the checkpoint
-            layers = sorted({r.layer for r in self.requirements if r.kind in GDN_KINDS})
+            layers = self._gdn_layers
             full = ReplayChoice(0, limit * b, tuple((layer, 0) for layer in layers), tuple((layer, 0.0) for layer in layers))
             return self._replay_plan(prompt_len, match, records, limit, k, failures, notes, n_asked, full, exact=True)
 
@@ -220,7 +221,7 @@ class Validator:
         the exact plan then uses. None: the exact plan applies."""
         b = self.block_size
         end = limit * b
-        gdn_layers = sorted({r.layer for r in self.requirements if r.kind in GDN_KINDS})
+        gdn_layers = self._gdn_layers
         if any(not all((layer, "decay") in r.pieces for r in records[:limit]) for layer in gdn_layers):
             return None  # no statistics to certify a replay with
         decay = {layer: torch.cat([r.pieces[(layer, "decay")].data for r in records[:limit]], dim=1)

@@ -62,7 +62,7 @@ class GatedDeltaNet(nn.Module):
         q, k = qk[:, :, : self.n_k] * constant(self.dk ** -0.5, qk.dtype, qk.device), qk[:, :, self.n_k:]
         v = v.reshape(b, t, self.n_v, self.dv)
         beta = torch.sigmoid(b_in)
-        g = derived(self, "neg_a", self.A_log, lambda a: -a.float().exp()) * F.softplus(as_float(a_in) + as_float(self.dt_bias))
+        g = self._neg_a() * F.softplus(as_float(a_in) + as_float(self.dt_bias))
         if state is not None and state.tracking:  # only a request the cache records pays for statistics
             state.record(start, g, beta.float() * v.float().norm(dim=-1))
 
@@ -86,12 +86,16 @@ class GatedDeltaNet(nn.Module):
         params, norm = self._parameters, self._modules["norm"]
         step = native_decode.decode_step(
             proj, state.conv, state.recurrent, self._modules["conv1d"]._parameters["weight"],
-            derived(self, "neg_a", params["A_log"], lambda a: -a.float().exp()), params["dt_bias"],
+            self._neg_a(), params["dt_bias"],
             norm._parameters["weight"], self.n_k, L2_EPS, norm.eps, stats=state.tracking)
         state.conv, state.recurrent = step.conv, step.recurrent
         if state.tracking:
             state.record(start, step.g, step.bv)
         return self._modules["out_proj"](step.out.view(proj.shape[0], 1, -1))
+
+    def _neg_a(self) -> torch.Tensor:
+        """-exp(A_log) in float32: the decay rate softplus(a + dt_bias) is scaled by."""
+        return derived(self, "neg_a", self._parameters["A_log"], _neg_exp)
 
     def _conv(self, mixed: torch.Tensor, state: GDNState | None) -> torch.Tensor:
         """Causal depthwise conv + silu over [B, T, C]; the previous K-1 inputs come from state.
@@ -123,6 +127,10 @@ class GatedDeltaNet(nn.Module):
             out[:, back:].addcmul_(mixed[:, : t - back], taps[j])
             out[:, :back].addcmul_(history[:, j:j + back], taps[j])
         return F.silu(out, inplace=True)
+
+
+def _neg_exp(a: torch.Tensor) -> torch.Tensor:
+    return -a.float().exp()
 
 
 def _l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:

@@ -32,12 +32,17 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 from kernels.dispatch import getenv
+from kernels.dispatch import mode as kernels_mode
 
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
 MODES = ("auto", "0", "1")
+# the argument types the launchers declare their C functions with
+P, I, F, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -83,6 +88,19 @@ def function(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
     elif mode() == "0":
         return None
     return fn
+
+
+def enabled() -> bool:
+    """What every kernel's `applies` asks besides its shapes: outside autograd (no kernel has a
+    backward) and HCW_KERNELS unset or `auto` (`reference` forces the torch path)."""
+    return not torch.is_grad_enabled() and kernels_mode() == "auto"
+
+
+def check_float32(what: str, *tensors: torch.Tensor) -> None:
+    """Parameters a kernel reads as contiguous float32 arrays, or a ValueError naming `what`."""
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{what} parameters must be contiguous float32")
 
 
 def cache_dir() -> Path:

@@ -7,16 +7,14 @@ The attention over the cache stays with SDPA, which spreads long caches over the
 
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple
 
 import torch
 
 from kernels import native
-from kernels.dispatch import mode as kernels_mode
+from kernels.native import F, I, L, P
 
-_P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-_ARGS = [_P, _L, _P, _P, _P, _P, _I, _P, _P, _P, _P, _L, _L, _L, _I, _I, _I, _I, _F]
+_ARGS = [P, L, P, P, P, P, I, P, P, P, P, L, L, L, I, I, I, I, F]
 
 
 class Prepared(NamedTuple):
@@ -35,9 +33,8 @@ def applies(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> boo
     path, the kernel built."""
     return (proj.device.type == "cpu" and proj.dtype is torch.float32 and k_buf.dtype is torch.float32
             and proj.dim() == 3 and proj.shape[1] == 1 and proj.stride(-1) == 1
-            and not torch.is_grad_enabled()
             and k_buf.stride(-1) == 1 and k_buf.stride(-2) == k_buf.shape[-1] and k_buf.stride() == v_buf.stride()
-            and kernels_mode() == "auto" and kernel() is not None)
+            and native.enabled() and kernel() is not None)
 
 
 def prepare(proj: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -53,9 +50,7 @@ def prepare(proj: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, co
             or any(t.numel() != d for t in (q_scale, k_scale, cos, sin))):
         raise ValueError(f"attention decode shapes disagree: proj {tuple(proj.shape)}, KV {tuple(k_buf.shape)}, "
                          f"position {pos}, {n_heads} query heads, rotary dim {rotary_dim}")
-    for t in (q_scale, k_scale, cos, sin):
-        if t.dtype is not torch.float32 or not t.is_contiguous():
-            raise ValueError("attention decode parameters must be contiguous float32")
+    native.check_float32("attention decode", q_scale, k_scale, cos, sin)
     q = torch.empty(b, n_heads, 1, d, dtype=torch.float32, device="cpu")  # not the default dtype: C writes float32
     gate = torch.empty(b, 1, n_heads * d, dtype=torch.float32, device="cpu")
     kernel()(proj.data_ptr(), proj.stride(0), q_scale.data_ptr(), k_scale.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -8,16 +8,14 @@ state tensors instead of writing the old ones: those may be shared with a cached
 
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple
 
 import torch
 
 from kernels import native
-from kernels.dispatch import mode as kernels_mode
+from kernels.native import F, I, L, P
 
-_P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-_ARGS = [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F]
+_ARGS = [P, L, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, F, F]
 
 
 class Step(NamedTuple):
@@ -39,8 +37,7 @@ def applies(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> 
     built."""
     return (proj.device.type == "cpu" and proj.dtype is torch.float32 and conv.dtype is torch.float32
             and recurrent.dtype is torch.float32 and proj.dim() == 3 and proj.shape[1] == 1
-            and proj.stride(-1) == 1 and not torch.is_grad_enabled()
-            and kernels_mode() == "auto" and kernel() is not None)
+            and proj.stride(-1) == 1 and native.enabled() and kernel() is not None)
 
 
 def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor, taps: torch.Tensor,
@@ -61,9 +58,7 @@ def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
     # the torch path leaves its conv window a strided view: one copy on the first step after it
     conv = conv if conv.is_contiguous() else conv.contiguous()
     recurrent = recurrent if recurrent.is_contiguous() else recurrent.contiguous()
-    for t in (taps, neg_a, dt_bias, norm_w):
-        if t.dtype is not torch.float32 or not t.is_contiguous():
-            raise ValueError("GDN decode parameters must be contiguous float32")
+    native.check_float32("GDN decode", taps, neg_a, dt_bias, norm_w)
     out = torch.empty(b, hv * dv, dtype=torch.float32, device="cpu")  # not the default dtype: C writes float32
     conv_new = torch.empty_like(conv)
     rec_new = torch.empty_like(recurrent)

@@ -4,17 +4,14 @@ which every other input takes (tests/test_native.py compares them)."""
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from kernels import native
-from kernels.dispatch import mode as kernels_mode
+from kernels.native import F, I, L, P
 
 MAX_ELEMENTS = 1 << 14  # past a few rows the torch ops, spread over the threads, are the faster path
 
-_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-_ARGS = [_P, _P, _P, _P, _P, _L, _I, _F]
+_ARGS = [P, P, P, P, P, L, I, F]
 
 
 def kernel():
@@ -26,9 +23,9 @@ def applies(x: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
     """CPU float32 contiguous rows, a few of them (with a delta of the same shape and layout),
     outside autograd (the kernel has no backward), kernels not forced to a path, the kernel built."""
     return (x.dtype is torch.float32 and x.device.type == "cpu" and x.numel() <= MAX_ELEMENTS
-            and x.is_contiguous() and not torch.is_grad_enabled()
+            and x.is_contiguous()
             and (delta is None or (delta.shape == x.shape and delta.dtype is torch.float32 and delta.is_contiguous()))
-            and kernels_mode() == "auto" and kernel() is not None)
+            and native.enabled() and kernel() is not None)
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float,
@@ -36,8 +33,9 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float,
     """(x + delta if delta is given else None, normed), normed = r / rms(r) * scale with r the sum
     or x. Check `applies` first; scale [D] contiguous float32."""
     d = x.shape[-1]
-    if scale.numel() != d or scale.dtype is not torch.float32 or not scale.is_contiguous():
-        raise ValueError(f"RMSNorm scale {tuple(scale.shape)} {scale.dtype} for rows of {d}")
+    if scale.numel() != d:
+        raise ValueError(f"RMSNorm scale {tuple(scale.shape)} for rows of {d}")
+    native.check_float32("RMSNorm", scale)
     out = torch.empty_like(x)
     total = None if delta is None else torch.empty_like(x)
     kernel()(x.data_ptr(), None if delta is None else delta.data_ptr(), None if total is None else total.data_ptr(),
