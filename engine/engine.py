@@ -129,16 +129,20 @@ class Engine:
                chunk_size: int | None = None) -> None:
         """Tail-Replay: run positions start.. (which `state` already covers for every other layer)
         through the model so that its GDN layers rebuild their states; layer i's recurrent state
-        restarts from zero at restarts[i] (default: at `start`), the tokens before that rebuild
-        its conv state."""
+        restarts at restarts[i] (default: at `start`) from zero, or from its `seed` (an
+        unsketched int8 sketch of the state there) when it has one; the tokens before that
+        rebuild its conv state."""
         chunk = chunk_size or self.config.prefill_chunk_size
         tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.model.device)
         restarts = restarts or {}
-        cuts = sorted({start, start + len(tokens), *(p for p in restarts.values() if start < p < start + len(tokens))})
-        for lo, hi in zip(cuts, cuts[1:]):
+        end = start + len(tokens)
+        cuts = sorted({start, end, *(p for p in restarts.values() if start < p <= end)})
+        for lo, hi in zip(cuts, cuts[1:] + [end]):
             for i, p in restarts.items():
                 if p == lo:
-                    state.layers[i].recurrent = torch.zeros_like(state.layers[i].recurrent)
+                    layer = state.layers[i]
+                    layer.recurrent = torch.zeros_like(layer.recurrent) if layer.seed is None else layer.seed
+                    layer.seed = None
             for a in range(lo, hi, chunk):
                 b = min(a + chunk, hi)
                 self.model(tokens[a - start:b - start], state, replay_from=a, rebuild_only=True)

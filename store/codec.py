@@ -36,7 +36,8 @@ import zstandard
 
 MAGIC = b"HCWB"
 VERSION = 1
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.float64, torch.uint8]
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.float64, torch.uint8,
+           torch.int8]  # (append only: a dtype's code is its index, stored in every frame)
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _ITEMSIZE = [torch.empty(0, dtype=d).element_size() for d in _DTYPES]
 _HEAD = struct.Struct("<4sBBBB")

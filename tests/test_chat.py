@@ -261,3 +261,22 @@ def test_hcw_chat_in_a_real_terminal(model_dir, tmp_path):
             time.sleep(0.3)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+
+
+def test_gdn_sketches_are_opt_in_with_approximate_reuse_and_shown(tmp_path):
+    from engine.model.random_init import qwen3_5_text_dict
+
+    qwen = write_random_model(tmp_path / "qwen", qwen3_5_text_dict(hidden=64, layers=4, attn_every=2), seed=1)
+    with pytest.raises(ValueError, match="--gdn-sketches needs --reuse approximate"):
+        ChatOptions(model=qwen, sketch_every=2)
+    long_fact = "The code for Mira is 4821. " + "Some filler words that go on and on. " * 8
+    edited = long_fact[:-30] + "But this ending differs from the first."
+    s = ChatSession(ChatOptions(model=qwen, db=tmp_path / "s.db", block_size=16, checkpoint_every=100, checkpoint_tail=0,
+                                max_new_tokens=4, reuse="approximate", replay_budget=0.5, sketch_every=2))
+    s.send(long_fact)
+    s.edit(1, edited)
+    r = s.regenerate()
+    assert not r.exact and r.lookup.plan.replay_seed is not None and r.as_dict()["plan"]["replay_seed"] is not None
+    assert "from int8 sketches at" in status_line(r) and "error bound" in status_line(r)
+    res = CliRunner().invoke(app, ["chat", "--model", str(qwen), "--db", str(tmp_path / "c.db"), "--gdn-sketches", "2"])
+    assert res.exit_code == 2 and "needs --reuse approximate" in res.stderr

@@ -36,17 +36,24 @@ class Budget:
     budget: float | None
     tolerance: float | None
     checkpoint_every: int = 1 << 30  # GDN checkpoints only past the context, unless a policy keeps them
+    sketch_every: int = 0  # int8 GDN sketches every K segments of the context (a replay may restart from one)
 
 
-def parse_budgets(text: str, tolerance: float) -> list[Budget]:
+def parse_budgets(text: str, tolerance: float, sketch_every: int = 0) -> list[Budget]:
     """'0.01,0.05,512,adaptive' -> policies; two exact policies are always measured first: with
     checkpoints every 4 segments (what storing GDN states everywhere buys) and without any inside
-    the context (a resume recomputes it)."""
+    the context (a resume recomputes it). With `sketch_every`, each approximate policy a second
+    time with int8 GDN sketches kept every that many segments."""
+    if sketch_every < 0:
+        raise ValueError("--sketch-every must be >= 0")
     out = [Budget("exact, checkpoints", "exact", None, None, checkpoint_every=4),
            Budget("exact, none inside", "exact", None, None)]
     for item in (t.strip() for t in text.split(",") if t.strip()):
         if item == "adaptive":
             out.append(Budget(f"adaptive (tol {tolerance:g})", "approximate", None, tolerance))
+            if sketch_every:
+                out.append(Budget(f"adaptive (tol {tolerance:g}) + sketch/{sketch_every}", "approximate", None,
+                                  tolerance, sketch_every=sketch_every))
             continue
         try:
             value = float(item)
@@ -54,7 +61,10 @@ def parse_budgets(text: str, tolerance: float) -> list[Budget]:
             raise ValueError(f"--budgets: {item!r} is not a fraction, a token count or 'adaptive'") from None
         if value <= 0:
             raise ValueError(f"--budgets: {item!r} must be > 0")
-        out.append(Budget(f"{value:g}" if value < 1 else f"{int(value)} tokens", "approximate", value, None))
+        label = f"{value:g}" if value < 1 else f"{int(value)} tokens"
+        out.append(Budget(label, "approximate", value, None))
+        if sketch_every:
+            out.append(Budget(f"{label} + sketch/{sketch_every}", "approximate", value, None, sketch_every=sketch_every))
     return out
 
 
@@ -126,15 +136,16 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
             full.append({"ttft_ms": full_ms, "correct": ref_correct})
             # the context is cached once per checkpoint setting; each policy then resumes from it,
             # and the cache is rolled back to that before the next one (records and checkpoints)
-            warmed: dict[int, tuple[Engine, dict]] = {}
+            warmed: dict[tuple[int, int], tuple[Engine, dict, int]] = {}
             for b in budgets:
-                if b.checkpoint_every not in warmed:
+                setting = (b.checkpoint_every, b.sketch_every)
+                if setting not in warmed:
                     cfg = CacheConfig(block_size=block_size, checkpoint_every=b.checkpoint_every,
-                                      checkpoint_branch_point=False, checkpoint_tail=0)
+                                      checkpoint_branch_point=False, checkpoint_tail=0, sketch_every=b.sketch_every)
                     engine = Engine(m, cache=PrefixCache(m, cfg))
                     engine.start(warm).finish()
-                    warmed[b.checkpoint_every] = engine, engine.cache.mark()
-                engine, keep = warmed[b.checkpoint_every]
+                    warmed[setting] = engine, engine.cache.mark(), _gdn_bytes(engine.cache, asked)
+                engine, keep, gdn_bytes = warmed[setting]
                 engine.cache.set_policy(b.reuse, b.budget if b.reuse == "approximate" else 0.05, b.tolerance)
                 t0 = time.perf_counter()
                 run = engine.start(asked)
@@ -151,7 +162,8 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                     "top1": float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
                     "kl": float(kl.mean()), "state_error": max(errors.values(), default=0.0), "layer_errors": errors,
                     "exact": run.plan.exact, "reused": run.plan.usable_tokens,
-                    "replayed": run.plan.replay_tokens, "bound": run.plan.replay_bound})
+                    "replayed": run.plan.replay_tokens, "bound": run.plan.replay_bound,
+                    "seeded": run.plan.replay_seed is not None, "gdn_bytes_per_1k": gdn_bytes})
         full_acc = sum(f["correct"] for f in full) / len(full)
         full_ttft = statistics.median(f["ttft_ms"] for f in full)
         for b in budgets:
@@ -168,12 +180,23 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                    "ttft_ms": ttft, "full_prefill_ttft_ms": full_ttft, "ttft_speedup": full_ttft / ttft if ttft else None,
                    "replayed_tokens": statistics.mean(r["replayed"] for r in runs),
                    "reused_tokens": statistics.mean(r["reused"] for r in runs),
-                   "max_bound": max(r["bound"] for r in runs), "all_exact": all(r["exact"] for r in runs)}
+                   "max_bound": max(r["bound"] for r in runs), "all_exact": all(r["exact"] for r in runs),
+                   "seeded": sum(r["seeded"] for r in runs),
+                   "gdn_bytes_per_1k": statistics.mean(r["gdn_bytes_per_1k"] for r in runs)}
             rows.append(row)
             if progress is not None:
                 progress(_line(row))
     return {"model": str(model), "tasks_per_length": tasks, "follow_tokens": FOLLOW, "rows": rows,
             "replayable": _replayable(m)}
+
+
+def _gdn_bytes(cache: PrefixCache, prompt: list[int]) -> float:
+    """Bytes of GDN state (checkpoints and sketches) the cache keeps inside the matched prefix of
+    `prompt`, per 1,000 of its tokens: what a policy's storage costs beside the KV."""
+    segments = cache.index.match(prompt).segments
+    held = sum(p.nbytes() for node in segments if (rec := cache.table.get(node.key)) is not None
+               for (_, kind), p in rec.pieces.items() if kind in ("recurrent", "conv", "sketch"))
+    return 1000 * held / max(1, len(segments) * cache.block_size)
 
 
 def _replayable(model) -> bool:
@@ -195,17 +218,20 @@ def markdown(report: dict) -> str:
              f"{report['follow_tokens']} greedy tokens a full prefill produces after the question (top-1 agreement, "
              "mean KL(full ‖ reuse)), the GDN states' relative error after the prompt (mean over tasks of the worst "
              "layer), task accuracy (the needle's value, greedy) and its retention against the full prefill. "
+             "`+ sketch/N`: the same policy with int8 sketches of the GDN states kept every N segments of the "
+             "context, which a replay may restart from. GDN state kept: the bytes of GDN checkpoints and sketches "
+             "inside the context per 1K of its tokens (the KV beside them is the same for every policy). "
              + ("" if report["replayable"] else "**This model cannot be tail-replayed (no GDN layers, or a state "
                 "kind a replay cannot rebuild): every approximate budget falls back to exact.** "),
              "", "| prefix | policy | top-1 agreement | mean KL | state error | accuracy | full prefill | retained | "
-             "TTFT speed-up | replayed tokens | max bound | exact |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "TTFT speed-up | replayed tokens | max bound | exact | GDN state kept / 1K tokens |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in report["rows"]:
         q = "-" if r["quality_retained"] is None else f"{r['quality_retained']:.0%}"
         lines.append(f"| {r['prefix_tokens']} | {r['policy']} | {r['top1_agreement']:.1%} | {r['mean_kl']:.1e} | "
                      f"{r['state_error']:.1e} | {r['accuracy']:.0%} | {r['full_prefill_accuracy']:.0%} | {q} | "
                      f"{r['ttft_speedup']:.1f}× | {r['replayed_tokens']:.0f} | {r['max_bound']:.1e} | "
-                     f"{'yes' if r['all_exact'] else 'no'} |")
+                     f"{'yes' if r['all_exact'] else 'no'} | {r['gdn_bytes_per_1k'] / 1024:.1f} KiB |")
     return "\n".join(lines)
 
 

@@ -116,6 +116,8 @@ def bench_replay(
                                 help="fractions of the prefix, token counts, and/or 'adaptive'"),
     tolerance: float = typer.Option(1e-3, "--tolerance", help="adaptive: the certified bound each layer keeps under"),
     tasks: int = typer.Option(4, "--tasks", min=1, help="needle tasks per prefix length"),
+    sketch_every: int = typer.Option(0, "--sketch-every", help="measure each approximate policy again with int8 "
+                                     "GDN sketches kept every N segments of the context (0: not)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     write_docs: bool = typer.Option(False, "--write-docs", help="write the table and plot into docs/"),
 ) -> None:
@@ -126,7 +128,7 @@ def bench_replay(
         lengths = [int(x) for x in prefix_lengths.split(",") if x.strip()]
         if not lengths or min(lengths) < 64:
             raise ValueError("--prefix-lengths: give token counts of at least 64")
-        report = run_bench(model, lengths, parse_budgets(budgets, tolerance), tasks,
+        report = run_bench(model, lengths, parse_budgets(budgets, tolerance, sketch_every), tasks,
                            progress=None if as_json else lambda line: typer.echo(line, err=True))
     except ValueError as e:  # ConfigError is one
         _fail(str(e))
@@ -181,6 +183,10 @@ def chat(
     replay_tolerance: float | None = typer.Option(None, "--replay-tolerance", help="approximate: per GDN layer the "
                                                   "shortest replay whose certified state-error bound is below this "
                                                   "(default 1e-3 with --replay-budget adaptive)"),
+    gdn_sketches: int = typer.Option(0, "--gdn-sketches", help="approximate: every N segments keep an int8 sketch "
+                                     "of each GDN state (~1/4 of an exact checkpoint's bytes) where no checkpoint "
+                                     "is kept; a replay may restart from one, its certified bound far lower than "
+                                     "from zero (0: none)"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     sample: bool = typer.Option(False, "--sample", help="temperature/top-p sampling instead of greedy"),
     plain: bool = typer.Option(False, "--plain", help="line-based REPL (also used when stdin is not a terminal)"),
@@ -196,7 +202,8 @@ def chat(
     try:
         opts = ChatOptions(model=model, db=db, session=session, reuse=reuse, max_new_tokens=max_new_tokens,
                            greedy=not sample, replay_budget=(budget := parse_budget(replay_budget)),
-                           replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3)
+                           replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
+                           sketch_every=gdn_sketches)
         line_based = plain or as_json or not sys.stdin.isatty()
         # the workbench generates in a process of its own, so that drawing never holds up decoding
         chat_session = ChatSession(opts) if line_based else RemoteSession(opts)

@@ -40,6 +40,8 @@ def status_line(r: TurnResult) -> str:
     if r.replay_tokens:
         parts.append(f"GDN replayed {r.replay_tokens}" + (f"/{r.replay_budget_tokens} budget" if r.replay_budget_tokens
                                                           else "") + " tokens"
+                     + (f" from int8 sketches at {r.lookup.plan.replay_seed}" if r.lookup.plan.replay_seed is not None
+                        else "")
                      + (f", error bound {r.lookup.plan.replay_bound:.1e}" if not r.exact else ""))
     if r.stop_reason == "cancelled":
         parts.append("cancelled")

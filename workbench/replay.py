@@ -30,7 +30,7 @@ from workbench.session import ChatOptions, ChatSession, TurnResult, parse_budget
 
 OPS = {"config", "user", "edit", "branch", "fork", "switch", "fault", "restart", "save"}
 CONFIG_KEYS = {"model", "reuse", "replay_budget", "replay_tolerance", "max_new_tokens", "block_size", "checkpoint_every",
-               "checkpoint_tail", "system"}
+               "checkpoint_tail", "sketch_every", "system"}
 EXPECT_KEYS = {"outcome", "contains", "exact", "min_cached_tokens", "approximate"}
 
 

@@ -115,6 +115,7 @@ class ChatOptions:
     seed: int | None = 0
     block_size: int = 64
     checkpoint_every: int = 4
+    sketch_every: int = 0  # approximate: every K segments an int8 sketch of each GDN state a replay may restart from
     checkpoint_tail: int = 3  # of a long prompt (CacheConfig.checkpoint_tail_min), the last K boundaries keep GDN snapshots
     device_budget_mb: int = 1024
     system: str | None = "You are a helpful assistant. Remember what the user tells you."
@@ -125,6 +126,10 @@ class ChatOptions:
             raise ValueError(f"--reuse must be one of {', '.join(REUSE_POLICIES)}, got {self.reuse!r}")
         if self.reuse == "approximate":
             CacheConfig(reuse="approximate", replay_budget=self.replay_budget, replay_tolerance=self.replay_tolerance)
+        if self.sketch_every < 0:
+            raise ValueError("--gdn-sketches must be >= 0 (0: none)")
+        if self.sketch_every and self.reuse != "approximate":
+            raise ValueError("--gdn-sketches needs --reuse approximate: only an approximate replay reads a sketch")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if self.decode_threads is not None and self.decode_threads < 1:
@@ -204,7 +209,7 @@ class ChatSession:
         if self.tok is None:
             raise ValueError(f"{opts.model} has no tokenizer; hcw chat needs one")
         cfg = CacheConfig(block_size=opts.block_size, checkpoint_every=opts.checkpoint_every,
-                          checkpoint_tail=opts.checkpoint_tail,
+                          checkpoint_tail=opts.checkpoint_tail, sketch_every=opts.sketch_every,
                           budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse,
                           replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance)
         self.tier = WriteBehind(opts.db, layout_fingerprint(self.model, cfg))  # spills never block decoding

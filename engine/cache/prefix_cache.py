@@ -30,7 +30,7 @@ from engine.cache.prefix_index import ROOT, PrefixIndex
 from engine.cache.recovery import GROUPS, group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
-from engine.cache.states import ModelState, Piece
+from engine.cache.states import GDNState, ModelState, Piece, sketch, unsketch
 from engine.cache.replay import ReplayPolicy
 from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator, check_buffer
 from engine.events import CacheLookup
@@ -54,6 +54,10 @@ class CacheConfig:
     # stop, and a chunk's attention over the whole cache runs less efficiently in smaller pieces (3
     # stops: +14% on a 300-token turn after 8K on the vs-llama.cpp model, +1% on an 8K prompt)
     checkpoint_tail_min: int = 4096
+    # every K segments an int8 sketch of each GDN state (~1/4 of its bytes) where no exact
+    # snapshot is kept: an approximate replay may restart from it instead of zero, its certified
+    # error the sketch's own times the decay since (0: none; the exact policy never reads them)
+    sketch_every: int = 0
     reuse: str = "exact"  # "exact" | "approximate" (Tail-Replay, labelled) | "off"
     replay_budget: float | None = 0.05  # approximate: tokens a GDN replay may take (fraction of the match if < 1)
     replay_tolerance: float | None = None  # approximate, adaptive: per layer the shortest replay within this bound
@@ -75,6 +79,8 @@ class CacheConfig:
             raise ValueError("block_size must be >= 1")
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
+        if self.sketch_every < 0:
+            raise ValueError("sketch_every must be >= 0 (0: no sketches)")
         if self.checkpoint_tail < 0 or self.checkpoint_tail_min < 0:
             raise ValueError("checkpoint_tail and checkpoint_tail_min must be >= 0")
         if not 0.0 <= self.shadow_fraction <= 1.0:
@@ -343,6 +349,11 @@ class PrefixCache:
                     decay = [r.pieces[(i, "decay")].data for r in records] if all(
                         (i, "decay") in r.pieces for r in records) else None
                     fresh.layers[i].resume_stats(plan.usable_tokens, decay)
+                    if i in plan.replay_seeded:
+                        bad = self._seed(fresh.layers[i], i, records[plan.replay_seed // self.block_size - 1],
+                                         plan.replay_seed, device)
+                        if bad:
+                            return None, bad
                     layers.append(fresh.layers[i])
                     continue
                 replayed = plan.replay_from is not None and hasattr(template, "for_replay")
@@ -387,6 +398,23 @@ class PrefixCache:
         finally:
             self.table.unpin(keys)
 
+    def _seed(self, layer: GDNState, i: int, rec, position: int, device) -> str | None:
+        """Give layer i's fresh state the sketch `rec` holds of it to restart the replay from;
+        the reason (the piece dropped, so the re-plan restarts from zero) when it cannot."""
+        piece = rec.pieces.get((i, "sketch"))
+        if piece is None:
+            bad, layer_no = "is gone", "layer 3"
+        elif piece.position != position:
+            bad, layer_no = f"describes position {piece.position}, not {position}", "layer 1"
+        else:
+            bad, layer_no = self._check(piece.data, sketch(self.template.layers[i].recurrent), device), "layer 4"
+        if bad:
+            self.table.drop(rec.key, lambda lay, k, p: (lay, k) == (i, "sketch"))
+            self.metrics.validation_failures[layer_no] += 1
+            return f"{layer_no}: layer {i} sketch {bad}"
+        layer.seed = unsketch(piece.data)
+        return None
+
     def before_use(self, plan: ReusePlan) -> None:
         """Called after assembly, before the state is used; a seam for fault drills."""
 
@@ -424,6 +452,7 @@ class RequestWriter:
         # the dense tail before the prompt's end, for a request with a long prompt part only
         cfg = cache.config
         self.tail = cfg.checkpoint_tail if self.prompt_end - plan.usable_tokens >= cfg.checkpoint_tail_min else 0
+        self.sketch_every = cfg.sketch_every if self.exact else 0  # (a sketch of an approximate state: no)
 
     def next_stop(self, seq_len: int) -> int:
         """The next boundary after seq_len whose snapshots this request will keep: the branch
@@ -435,6 +464,8 @@ class RequestWriter:
         b, every = self.cache.block_size, cfg.checkpoint_every
         nxt = (seq_len // b + 1) * b
         stops = [(seq_len // (b * every) + 1) * b * every]
+        if self.sketch_every:
+            stops.append((seq_len // (b * self.sketch_every) + 1) * b * self.sketch_every)
         if self.first is None and cfg.checkpoint_branch_point:
             stops.append(nxt)
         if self.prompt_end > seq_len:
@@ -463,8 +494,11 @@ class RequestWriter:
                 self.prompt_end_key = node.key
             before = self.cache.table.get(node.key)
             had = set(before.pieces) if before is not None else set()
+            sketches = j == last and self.sketch_every and (j + 1) % self.sketch_every == 0
             pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
-                      for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=j == last).items()}
+                      for kind, piece in (layer.export(j * b, (j + 1) * b, snapshots=j == last, sketches=True)
+                                          if sketches and isinstance(layer, GDNState)
+                                          else layer.export(j * b, (j + 1) * b, snapshots=j == last)).items()}
             self.cache.table.put(node.key, j, self.cache.layout, pieces, exact=self.exact)
             if any(not p.per_segment and k not in had for k, p in pieces.items()):
                 self.captured.append((node.key, j))
@@ -507,8 +541,10 @@ class RequestWriter:
         for key, j in self.captured:
             end = (j + 1) * self.cache.block_size
             if key in keep or (j + 1) % every == 0 or (self.tail and tail_from <= end < self.prompt_end):
+                # an exact checkpoint: a sketch beside it would never be read
+                self.cache.table.drop(key, lambda layer, kind, piece: kind == "sketch")
                 continue
-            self.cache.table.drop(key, lambda layer, kind, piece: not piece.per_segment)
+            self.cache.table.drop(key, lambda layer, kind, piece: not piece.per_segment and kind != "sketch")
         # the end of every turn: what was answered is on the lower tier before the next one
         self.cache.save()
 

@@ -25,6 +25,9 @@ ROUTES: dict[str, Route] = {
     # (only approximate plans need them: exact reuse goes on without; their own group, so a
     # recurrent-state budget never trims them)
     "decay": Route("recompute from the first segment missing decay statistics", True, "statistics"),
+    # an int8 sketch of a GDN state (approximate plans only: it seeds a tail replay); when missing
+    # the replay restarts from zero or the exact plan resumes at a checkpoint
+    "sketch": Route("replay from zero or from the nearest exact checkpoint", False, "recurrent"),
     # token-addressable KV: recompute the tokens of the first segment whose KV is gone
     "kv": Route("recompute from the first segment missing KV", True, "full_kv"),
     # compressed entries are rebuilt only from the layer's inputs, which are not kept: recompute

@@ -55,28 +55,50 @@ class ReplayPolicy:
         return int(self.budget * prefix) if self.budget < 1 else int(self.budget)
 
 
+def _suffix(decay: torch.Tensor) -> torch.Tensor:
+    """[B, G + 1, H]: the summed log-decay from each group boundary to the end (0 at G)."""
+    g = decay[..., 0].double()
+    out = torch.zeros(g.shape[0], g.shape[1] + 1, g.shape[2], dtype=torch.float64, device=g.device)
+    out[:, :g.shape[1]] = g.flip(1).cumsum(1).flip(1)
+    return out
+
+
 def bounds(decay: torch.Tensor) -> torch.Tensor:
     """decay: [B, G, H, 2] per group of tokens (summed log-decay, N at the group's end) of one GDN
     layer (a group may be one token). Returns [G + 1]: for a replay starting at each group
     boundary i, the bound on the error of that layer's state at the end (max over batch and
     heads); bounds[0] = 0 (replaying everything from zero is exact), bounds[G] = N at the end (no
     replay)."""
-    g, n = decay[..., 0].double(), decay[..., 1].double()
-    p = g.shape[1]
-    # suffix[s] = sum_{t >= s} g_t, for s in 0..P
-    suffix = torch.zeros(g.shape[0], p + 1, g.shape[2], dtype=torch.float64, device=g.device)
-    suffix[:, :p] = g.flip(1).cumsum(1).flip(1)
+    n = decay[..., 1].double()
     before = torch.cat([torch.zeros_like(n[:, :1]), n], dim=1)  # N_{s-1}, with N_{-1} = 0
-    out = torch.nan_to_num(before * torch.exp(suffix), nan=float("inf"))  # an unknown norm (inf) stays unknown
+    out = torch.nan_to_num(before * torch.exp(_suffix(decay)), nan=float("inf"))  # an unknown norm (inf) stays unknown
     return out.amax(dim=(0, 2)) * (1 + 1e-6)
+
+
+@dataclass(frozen=True)
+class Seeds:
+    """Int8 sketches of the GDN states at some boundaries (states.sketch): a replay may restart
+    there from the sketch instead of zero, and its error at the end is then bounded by the
+    sketch's exact error times the same decay product."""
+
+    positions: tuple[int, ...]  # token positions (multiples of the statistics' stride), ascending
+    errors: dict[int, torch.Tensor]  # per GDN layer [B, len(positions), H]: |S - sketch|_F
+
+
+def _seeded_bounds(decay: torch.Tensor, errors: torch.Tensor, groups: list[int]) -> torch.Tensor:
+    """[len(groups)]: the bound of a replay restarting from the sketches at those group boundaries."""
+    out = errors.double() * torch.exp(_suffix(decay)[:, groups])
+    return torch.nan_to_num(out, nan=float("inf")).amax(dim=(0, 2)) * (1 + 1e-6)
 
 
 @dataclass(frozen=True)
 class ReplayChoice:
     begin: int  # the replay runs the model over [begin, end)
     end: int
-    starts: tuple[tuple[int, int], ...]  # (layer, position where its recurrent state restarts from zero)
+    starts: tuple[tuple[int, int], ...]  # (layer, position where its recurrent state restarts)
     bounds: tuple[tuple[int, float], ...]  # (layer, certified error bound of its state at end)
+    seeded: tuple[int, ...] = ()  # layers that restart from their sketch at `seed` instead of zero
+    seed: int | None = None
 
     @property
     def bound(self) -> float:
@@ -84,25 +106,48 @@ class ReplayChoice:
 
 
 def choose(policy: ReplayPolicy, end: int, layer_decay: dict[int, torch.Tensor], warmup: int,
-           stride: int = 1) -> ReplayChoice | None:
+           stride: int = 1, seeds: Seeds | None = None) -> ReplayChoice | None:
     """The replay for a prefix of `end` tokens whose GDN layers recorded `layer_decay` (one
     statistic per `stride` tokens), or None when the policy allows none (the budget cannot even
     rebuild the conv state, or no start within it meets the tolerance: the exact plan applies).
-    Restarts fall on multiples of `stride`."""
+
+    Candidate starts: every group boundary (the recurrent states restart from zero) and every
+    boundary in `seeds` (each layer restarts from its sketch where that bounds its error lower);
+    each begins `warmup` tokens earlier, which rebuild the conv states. A fixed budget takes the
+    start within it whose bound is lowest (ties: the longer replay, as the budget allows);
+    adaptive the latest start whose bound is within the tolerance in every layer."""
     cap = policy.tokens(end)
-    per_layer = {layer: bounds(d) for layer, d in layer_decay.items()}
+    layers = sorted(layer_decay)
+    if not layers:
+        return None
+    zero = torch.stack([bounds(layer_decay[layer]) for layer in layers])  # [L, G + 1]
+    lowest = 0 if cap is None else max(0, end - cap + warmup)
+    first = -(-lowest // stride)
+    # candidates: (position, bound over layers, per-layer bounds, layers restarting from a sketch)
+    worst = zero[:, first:].amax(0).tolist()
+    candidates = [(g * stride, bound, None, ()) for g, bound in enumerate(worst, first)]
+    if seeds is not None:
+        at = [i for i, p in enumerate(seeds.positions) if lowest <= p <= end]
+        if at:
+            g_at = [seeds.positions[i] // stride for i in at]
+            seeded = torch.stack([_seeded_bounds(layer_decay[layer], seeds.errors[layer][:, at], g_at) for layer in layers])
+            best = torch.minimum(seeded, zero[:, g_at])  # per layer the lower of sketch and zero
+            use = (seeded < zero[:, g_at]).T.tolist()
+            for n, (per, bound) in enumerate(zip(best.T.tolist(), best.amax(0).tolist())):
+                chosen = tuple(layer for layer, u in zip(layers, use[n]) if u)
+                if chosen:
+                    candidates.append((seeds.positions[at[n]], bound, per, chosen))
     if policy.adaptive:
-        # per layer the latest start (shortest replay) whose bound is within tolerance (start 0
-        # always is); the model runs from the earliest of them for every layer anyway, and a
-        # bound never grows as the start moves earlier, so every layer restarts there
-        first = min((int(torch.nonzero(b <= policy.tolerance).max()) for b in per_layer.values()), default=end // stride)
+        pick = max((c for c in candidates if c[1] <= policy.tolerance), key=lambda c: (c[0], -c[1]), default=None)
     else:
-        first = -(-max(0, end - cap + warmup) // stride)  # the first group boundary inside the budget
-        if first * stride > end:
-            return None
-    groups = {layer: first for layer in per_layer}
-    begin = max(0, first * stride - warmup)
+        pick = min(candidates, key=lambda c: (c[1], c[0]), default=None)
+    if pick is None:
+        return None
+    position, _, per, use = pick
+    if per is None:
+        per = zero[:, position // stride].tolist()
+    begin = max(0, position - warmup)
     if cap is not None and end - begin > cap:
         return None
-    return ReplayChoice(begin, end, tuple((layer, g * stride) for layer, g in sorted(groups.items())),
-                        tuple((layer, float(per_layer[layer][g])) for layer, g in sorted(groups.items())))
+    return ReplayChoice(begin, end, tuple((layer, position) for layer in layers),
+                        tuple(zip(layers, per)), use, position if use else None)

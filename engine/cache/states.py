@@ -322,6 +322,23 @@ def _table(batch: int, blocks: int, device) -> torch.Tensor:
 STAT_STRIDE = 16  # tokens per cached decay statistic: Tail-Replay restarts at multiples of it
 
 
+def sketch(recurrent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int8 sketch of a GDN recurrent state [B, Hv, Dk, Dv] (about a quarter of its bytes):
+    symmetric per-row codes, the rows' scales, and the sketch's exact error |S - unsketch|_F per
+    batch and head (float64, rounded up), which is what Tail-Replay certifies a replay seeded
+    with it by (engine/cache/replay.py)."""
+    s = recurrent.float()
+    scale = (s.abs().amax(-1, keepdim=True) / 127.0).clamp_min(1e-30)
+    codes = torch.round(s / scale).clamp_(-127, 127).to(torch.int8)
+    error = (s.double() - (codes.float() * scale).double()).flatten(2).norm(dim=-1) * (1 + 1e-6)
+    return codes, scale, error
+
+
+def unsketch(piece: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    codes, scale, _ = piece
+    return codes.float() * scale
+
+
 @dataclass
 class GDNState:
     """Gated DeltaNet state: not token-addressable, it only ever describes the whole prefix.
@@ -344,6 +361,8 @@ class GDNState:
     static: bool = False
     step: torch.Tensor = None
     step_norm: torch.Tensor = None  # [B, Hv] float64: N after the static step, `norm` once committed
+    # a Tail-Replay seeded by a sketch: the recurrent state its restart takes (else zero), once
+    seed: torch.Tensor = None
 
     def __post_init__(self) -> None:
         b, heads = self.recurrent.shape[:2]
@@ -438,7 +457,9 @@ class GDNState:
             _tokens(layer, "decay", used, self.stats_start),
         ]
 
-    def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
+    def export(self, lo: int, hi: int, snapshots: bool = True, sketches: bool = False) -> dict[str, Piece]:
+        """`sketches`: an int8 sketch of the recurrent state at hi too (a snapshot: needs the
+        state at hi), which only seeds an approximate replay."""
         out = {}
         if self.stats_start <= lo and hi <= self.stats_end:
             # per group of `stride` tokens: the summed log-decay and N at the group's end, which is
@@ -452,6 +473,8 @@ class GDNState:
         if snapshots:
             out["recurrent"] = Piece(False, self.recurrent.clone())
             out["conv"] = Piece(False, self.conv.clone())
+        if sketches:
+            out["sketch"] = Piece(False, sketch(self.recurrent))
         return out
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:

@@ -21,7 +21,7 @@ import torch
 
 from engine.cache.prefix_index import MatchResult
 from engine.cache.recovery import route
-from engine.cache.replay import ReplayChoice, ReplayPolicy, choose
+from engine.cache.replay import ReplayChoice, ReplayPolicy, Seeds, choose
 from engine.cache.state_table import StateTable
 
 ALIGNMENT = 16  # bytes: what vectorised CPU and GPU loads expect of a buffer's base address
@@ -58,6 +58,8 @@ class ReusePlan:
     replay_from: int | None = None  # tail replay: the model runs [replay_from, usable_tokens) to rebuild GDN states
     replay_starts: tuple[tuple[int, int], ...] = ()  # (layer, where its recurrent state restarts from zero)
     replay_bound: float = 0.0  # certified bound on the GDN state error the replay leaves (0: exact)
+    replay_seed: int | None = None  # the boundary whose int8 GDN sketches seed the restart (else zero)
+    replay_seeded: tuple[int, ...] = ()  # the GDN layers that restart from their sketch
 
     @property
     def replay_tokens(self) -> int:
@@ -76,6 +78,7 @@ class ReusePlan:
             "granular_tokens": self.granular_tokens, "notes": list(self.notes),
             "replay": None if self.replay_from is None else [self.replay_from, self.usable_tokens],
             "replay_starts": [list(x) for x in self.replay_starts], "replay_bound": self.replay_bound,
+            "replay_seed": self.replay_seed, "replay_seeded": list(self.replay_seeded),
             "objects": [{"kind": o.kind, "action": o.action.value, "tokens": list(o.tokens), "layers": list(o.layers),
                          "path": o.path, "reason": o.reason} for o in self.objects],
             "failures": list(self.failures),
@@ -87,7 +90,8 @@ GDN_KINDS = frozenset({"recurrent", "conv"})
 # rebuilds them from the tokens it runs, beside the GDN states, and reads the exact compressed
 # entries and indexer keys from the cache (engine.model.v4_attention)
 REBUILT_BY_REPLAY = frozenset({"window", "tail", "overlap", "index_tail", "index_overlap"})
-OPTIONAL_KINDS = frozenset({"decay"})  # statistics only an approximate plan needs: never a requirement
+# statistics and int8 sketches of GDN states: only an approximate plan reads them, never a requirement
+OPTIONAL_KINDS = frozenset({"decay", "sketch"})
 
 
 @dataclass(frozen=True)
@@ -227,11 +231,25 @@ class Validator:
         decay = {layer: torch.cat([r.pieces[(layer, "decay")].data for r in records[:limit]], dim=1)
                  for layer in gdn_layers}
         stride = b // max(1, next(iter(decay.values())).shape[1] // limit) if limit else 1
-        pick = choose(self.policy, end, decay, self.replay_warmup, stride)
+        pick = choose(self.policy, end, decay, self.replay_warmup, stride, self._seeds(records, limit))
         if pick is None or (k > 0 and k * b >= pick.begin):
             return None  # nothing within the budget, or a checkpoint inside the window: replay from it, exactly
         return self._replay_plan(prompt_len, match, records, limit, k, failures, notes, n_asked, pick,
                                  exact=pick.bound == 0.0 and not approximate)
+
+    def _seeds(self, records, limit: int) -> Seeds | None:
+        """The boundaries up to `limit` segments (within the budget) where every GDN layer kept an
+        int8 sketch of its state, with the sketches' exact errors."""
+        b, gdn_layers = self.block_size, self._gdn_layers
+        cap = self.policy.tokens(limit * b)
+        lowest = 0 if cap is None else max(0, limit * b - cap + self.replay_warmup)
+        at = [j for j in range(max(0, lowest // b - 1), limit)
+              if (j + 1) * b >= lowest and all((layer, "sketch") in records[j].pieces for layer in gdn_layers)]
+        if not at:
+            return None
+        return Seeds(tuple((j + 1) * b for j in at),
+                     {layer: torch.stack([records[j].pieces[(layer, "sketch")].data[2] for j in at], dim=1)
+                      for layer in gdn_layers})
 
     def _replay_plan(self, prompt_len, match, records, limit, k, failures, notes, n_asked, pick: ReplayChoice,
                      exact: bool) -> ReusePlan:
@@ -243,12 +261,15 @@ class Validator:
         other = sorted({r.kind for r in self.requirements if r.kind not in rebuilt})
         replayed = sorted({r.kind for r in self.requirements if r.kind in rebuilt})
         how = "exact: from the prefix start" if exact else f"approximate, error bound {pick.bound:.2e}"
+        others = sorted(set(self._gdn_layers) - set(pick.seeded))
+        origin = ("from a zero state" if pick.seed is None else f"from the int8 GDN sketches at {pick.seed}"
+                  + (f" (layers {others} from zero)" if others else ""))
         objects = (
             ObjectPlan(",".join(other), Action.REUSE, (0, end), tuple(sorted({r.layer for r in self.requirements
                                                                             if r.kind not in rebuilt}))),
             ObjectPlan(",".join(replayed), Action.RECOVER, (pick.begin, end),
                        tuple(sorted({r.layer for r in self.requirements if r.kind in rebuilt})),
-                       f"tail replay of {end - pick.begin} tokens from a zero state ({how})",
+                       f"tail replay of {end - pick.begin} tokens {origin} ({how})",
                        f"no GDN checkpoint in [{pick.begin}, {end}]; nearest at {k * b}" if k * b < pick.begin
                        else f"the nearest GDN checkpoint, at {k * b}, leaves more to recompute than this replay"),
             ObjectPlan("all", Action.RECOMPUTE, (end, prompt_len), (), "prefill"),
@@ -265,7 +286,8 @@ class Validator:
         return ReusePlan(prompt_len, match.logical_tokens, len(records) * b, end,
                          tuple(r.key for r in records[:limit]), objects, tuple(failures), exact=exact,
                          granular_tokens=n_asked * b, notes=tuple(notes), replay_from=pick.begin,
-                         replay_starts=pick.starts, replay_bound=pick.bound)
+                         replay_starts=pick.starts, replay_bound=pick.bound, replay_seed=pick.seed,
+                         replay_seeded=pick.seeded)
 
 
 def check_buffer(t: torch.Tensor, like: torch.Tensor, device: torch.device) -> str | None:

@@ -39,7 +39,8 @@ class ReplayBudget(Static):
             text.append("exact" if r.exact else "approximate", style="" if r.exact else "bold magenta")
             if r.replay_tokens:
                 budget = f"/{r.replay_budget_tokens}" if r.replay_budget_tokens else ""
-                text.append(f" · replay {r.replay_tokens}{budget}")
+                seeded = " from a sketch" if r.lookup.plan.replay_seed is not None else ""
+                text.append(f" · replay {r.replay_tokens}{budget}{seeded}")
             text.append("\n")
         text.append("reused", style="green")
         text.append(" + ")
