@@ -127,8 +127,11 @@ def test_adaptive_takes_the_latest_start_within_tolerance():
     assert pick.seed == 16 and pick.begin == 13 and pick.bound <= 1e-3
     loose = choose(ReplayPolicy("approximate", budget=None, tolerance=1e-2), 64, decay, warmup=3, seeds=seeds)
     assert loose.seed == 48 and loose.bound <= 1e-2
-    # a layer whose zero start already meets the bound better keeps it, the others take the sketch
-    assert set(loose.seeded) <= {0, 1} and dict(loose.starts) == {0: 48, 1: 48}
+    assert loose.seeded == (0, 1) and dict(loose.starts) == {0: 48, 1: 48}
+    # a layer whose zero start bounds lower than its sketch keeps the zero start
+    decay[1] = _decay(64, g=-50.0)  # layer 1 forgets everything within a token
+    mixed = choose(ReplayPolicy("approximate", budget=None, tolerance=1e-2), 64, decay, warmup=3, seeds=seeds)
+    assert mixed.seed == 48 and mixed.seeded == (0,) and dict(mixed.bounds)[1] < 1e-300
 
 
 # ---- through the cache ------------------------------------------------------------------------
@@ -244,3 +247,22 @@ def test_sketches_survive_the_disk_tier(qwen, tmp_path):
 def test_bad_sketch_settings_are_refused():
     with pytest.raises(ValueError, match="sketch_every"):
         CacheConfig(sketch_every=-1)
+
+
+def test_a_request_that_recomputes_through_a_kept_checkpoint_never_drops_it(qwen):
+    """A later request that adds only a sketch at a boundary another request checkpointed (here
+    refused reuse, so it recomputes through it) drops nothing of that checkpoint at its end."""
+    cache = _cache(qwen, reuse="exact", sketch_every=2)
+    engine = Engine(qwen, cache=cache)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, qwen.config.vocab_size, (65,), generator=g).tolist()  # its prompt ends at boundary 4
+    b = a[:64] + torch.randint(0, qwen.config.vocab_size, (60,), generator=g).tolist()
+    engine.start(a).finish()
+    key = cache.index.match(a).segments[3].key
+    assert {k for (_, k), p in cache.table.get(key).pieces.items() if not p.per_segment} == {"recurrent", "conv"}
+    admit = cache.admission.admit
+    cache.admission.admit = lambda plan: None if plan.usable_tokens else admit(plan)  # rule 1 refuses the hit
+    engine.start(b).finish()
+    cache.admission.admit = admit
+    assert {k for (_, k), p in cache.table.get(key).pieces.items() if not p.per_segment} == {"recurrent", "conv"}
+    assert engine.start(a).plan.usable_tokens == 64

@@ -446,7 +446,9 @@ class RequestWriter:
         self.prompt_end = plan.prompt_tokens // cache.block_size * cache.block_size
         self.first: bytes | None = None  # the branch point: the first boundary whose snapshots we added
         self.prompt_end_key: bytes | None = None  # the prompt's last whole segment: resent prompts resume here
-        self.captured: list[tuple[bytes, int]] = []  # (key, segment index) whose snapshots we added
+        # (key, segment index, the snapshot pieces we added there): finish drops only what this
+        # request added, never a checkpoint another request kept at the same boundary
+        self.captured: list[tuple[bytes, int, frozenset]] = []
         self.exact = plan.exact  # what follows an approximate resume is approximate too
         self.replayed: bytes | None = None  # the boundary an exact replay ended at, kept as a checkpoint
         # the dense tail before the prompt's end, for a request with a long prompt part only
@@ -500,8 +502,9 @@ class RequestWriter:
                                           if sketches and isinstance(layer, GDNState)
                                           else layer.export(j * b, (j + 1) * b, snapshots=j == last)).items()}
             self.cache.table.put(node.key, j, self.cache.layout, pieces, exact=self.exact)
-            if any(not p.per_segment and k not in had for k, p in pieces.items()):
-                self.captured.append((node.key, j))
+            added = frozenset(k for k, p in pieces.items() if not p.per_segment and k not in had)
+            if added:
+                self.captured.append((node.key, j, added))
                 if self.first is None:
                     self.first = node.key
 
@@ -538,13 +541,15 @@ class RequestWriter:
             if self.prompt_end_key is not None:
                 keep.add(self.prompt_end_key)
         tail_from = self.prompt_end - self.tail * self.cache.block_size
-        for key, j in self.captured:
+        for key, j, added in self.captured:
             end = (j + 1) * self.cache.block_size
-            if key in keep or (j + 1) % every == 0 or (self.tail and tail_from <= end < self.prompt_end):
-                # an exact checkpoint: a sketch beside it would never be read
-                self.cache.table.drop(key, lambda layer, kind, piece: kind == "sketch")
-                continue
-            self.cache.table.drop(key, lambda layer, kind, piece: not piece.per_segment and kind != "sketch")
+            if not (key in keep or (j + 1) % every == 0 or (self.tail and tail_from <= end < self.prompt_end)):
+                self.cache.table.drop(key, lambda layer, kind, piece: (layer, kind) in added and kind != "sketch")
+            # a sketch beside an exact checkpoint (ours or another request's) would never be read
+            rec = self.cache.table.get(key)
+            if rec is not None:
+                exact = {layer for (layer, kind) in rec.pieces if kind == "recurrent"}
+                self.cache.table.drop(key, lambda layer, kind, piece: kind == "sketch" and layer in exact)
         # the end of every turn: what was answered is on the lower tier before the next one
         self.cache.save()
 

@@ -231,20 +231,23 @@ class Validator:
         decay = {layer: torch.cat([r.pieces[(layer, "decay")].data for r in records[:limit]], dim=1)
                  for layer in gdn_layers}
         stride = b // max(1, next(iter(decay.values())).shape[1] // limit) if limit else 1
-        pick = choose(self.policy, end, decay, self.replay_warmup, stride, self._seeds(records, limit))
+        first = next(iter(decay.values()))
+        seeds = self._seeds(records, limit, (first.shape[0], first.shape[2]))
+        pick = choose(self.policy, end, decay, self.replay_warmup, stride, seeds)
         if pick is None or (k > 0 and k * b >= pick.begin):
             return None  # nothing within the budget, or a checkpoint inside the window: replay from it, exactly
         return self._replay_plan(prompt_len, match, records, limit, k, failures, notes, n_asked, pick,
                                  exact=pick.bound == 0.0 and not approximate)
 
-    def _seeds(self, records, limit: int) -> Seeds | None:
+    def _seeds(self, records, limit: int, shape: tuple[int, int]) -> Seeds | None:
         """The boundaries up to `limit` segments (within the budget) where every GDN layer kept an
         int8 sketch of its state, with the sketches' exact errors."""
         b, gdn_layers = self.block_size, self._gdn_layers
         cap = self.policy.tokens(limit * b)
         lowest = 0 if cap is None else max(0, limit * b - cap + self.replay_warmup)
         at = [j for j in range(max(0, lowest // b - 1), limit)
-              if (j + 1) * b >= lowest and all((layer, "sketch") in records[j].pieces for layer in gdn_layers)]
+              if (j + 1) * b >= lowest and all(_sketch_fits(records[j].pieces.get((layer, "sketch")), shape)
+                                               for layer in gdn_layers)]
         if not at:
             return None
         return Seeds(tuple((j + 1) * b for j in at),
@@ -288,6 +291,14 @@ class Validator:
                          granular_tokens=n_asked * b, notes=tuple(notes), replay_from=pick.begin,
                          replay_starts=pick.starts, replay_bound=pick.bound, replay_seed=pick.seed,
                          replay_seeded=pick.seeded)
+
+
+def _sketch_fits(piece, shape: tuple[int, int]) -> bool:
+    """A sketch piece whose recorded errors can be read ([B, H] like the decay statistics'); the
+    codes and scales are checked at assembly (layer 4) like any buffer."""
+    data = piece.data if piece is not None else None
+    return isinstance(data, tuple) and len(data) == 3 and isinstance(data[2], torch.Tensor) and \
+        tuple(data[2].shape) == shape
 
 
 def check_buffer(t: torch.Tensor, like: torch.Tensor, device: torch.device) -> str | None:
