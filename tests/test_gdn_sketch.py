@@ -157,18 +157,16 @@ def test_a_seeded_resume_is_labelled_budgeted_and_within_its_bound(qwen):
     second = _prompts(qwen.config.vocab_size)[1]
     exact = _exact_states(qwen, second[:112])
     first = _gdn(qwen)[0]
-    # the state the replay left, before the question's tokens: replay again into a copy to read it
-    state = Engine(qwen).new_state()
-    Engine(qwen).prefill(second[:112], state)
-    fresh = qwen.new_state()
-    seed_rec = cache.table.get(cache.index.match(second).segments[plan.replay_seed // B - 1].key)
-    for i in _gdn(qwen):
-        state.layers[i] = fresh.layers[i]
-        if i in plan.replay_seeded:
-            state.layers[i].seed = unsketch(seed_rec.pieces[(i, "sketch")].data)
-    Engine(qwen).replay(second[plan.replay_from:112], state, plan.replay_from, dict(plan.replay_starts))
+    # the state the cache restores for that plan (seeds set by the cache), replayed by the engine:
+    # its first GDN layer before the question's tokens
+    fresh = _cache(qwen, budget=0.25)  # (the run above cached `second` itself)
+    Engine(qwen, cache=fresh).start(_prompts(qwen.config.vocab_size)[0]).finish()
+    again, state, ticket = fresh.lookup(second)
+    fresh.admission.release(ticket)
+    assert again.replay_seed == plan.replay_seed and all(state.layers[i].seed is not None for i in plan.replay_seeded)
+    Engine(qwen).replay(second[again.replay_from:112], state, again.replay_from, dict(again.replay_starts))
     error = (state.layers[first].recurrent - exact.layers[first].recurrent).flatten(2).norm(dim=-1).max().item()
-    assert error <= plan.replay_bound + 1e-7
+    assert 0 < error <= plan.replay_bound + 1e-7
     # and the answer is close to a cold prefill's: closer than a replay of the same length from zero
     cold = Engine(qwen).start(second).logits
     zero, _ = _resume(qwen, budget=plan.replay_tokens, sketch_every=0)
@@ -206,7 +204,8 @@ def test_an_approximate_resume_writes_no_sketches(qwen):
     assert not any(k == "sketch" for r in written for (_, k) in r.pieces)
 
 
-def test_a_damaged_sketch_is_dropped_and_the_replay_restarts_from_zero(qwen):
+@pytest.mark.parametrize("damage, layer_no", [("dtype", "layer 4"), ("position", "layer 1")])
+def test_a_damaged_sketch_is_dropped_and_the_replay_restarts_from_zero(qwen, damage, layer_no):
     cache = _cache(qwen, budget=0.25)
     engine = Engine(qwen, cache=cache)
     first, second = _prompts(qwen.config.vocab_size)
@@ -216,9 +215,10 @@ def test_a_damaged_sketch_is_dropped_and_the_replay_restarts_from_zero(qwen):
     layer = plan.replay_seeded[0]
     piece = rec.pieces[(layer, "sketch")]
     codes, scale, error = piece.data
-    rec.pieces[(layer, "sketch")] = type(piece)(False, (codes.float(), scale, error), piece.position)  # not int8
+    rec.pieces[(layer, "sketch")] = (type(piece)(False, (codes.float(), scale, error), piece.position)  # not int8
+                                     if damage == "dtype" else type(piece)(False, piece.data, piece.position - B))
     run = engine.start(second)
-    assert cache.metrics.validation_failures["layer 4"] == 1
+    assert cache.metrics.validation_failures[layer_no] == 1
     assert (layer, "sketch") not in rec.pieces
     assert not run.plan.exact and run.plan.replay_from is not None
     assert run.plan.replay_seed != plan.replay_seed or layer not in run.plan.replay_seeded

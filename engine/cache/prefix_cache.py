@@ -496,11 +496,11 @@ class RequestWriter:
                 self.prompt_end_key = node.key
             before = self.cache.table.get(node.key)
             had = set(before.pieces) if before is not None else set()
-            sketches = j == last and self.sketch_every and (j + 1) % self.sketch_every == 0
+            sketch_here = {"sketches": True} if j == last and self.sketch_every and (j + 1) % self.sketch_every == 0 \
+                else {}
             pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
-                      for kind, piece in (layer.export(j * b, (j + 1) * b, snapshots=j == last, sketches=True)
-                                          if sketches and isinstance(layer, GDNState)
-                                          else layer.export(j * b, (j + 1) * b, snapshots=j == last)).items()}
+                      for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=j == last,
+                                                      **(sketch_here if isinstance(layer, GDNState) else {})).items()}
             self.cache.table.put(node.key, j, self.cache.layout, pieces, exact=self.exact)
             added = frozenset(k for k, p in pieces.items() if not p.per_segment and k not in had)
             if added:
@@ -546,7 +546,7 @@ class RequestWriter:
             if not (key in keep or (j + 1) % every == 0 or (self.tail and tail_from <= end < self.prompt_end)):
                 self.cache.table.drop(key, lambda layer, kind, piece: (layer, kind) in added and kind != "sketch")
             # a sketch beside an exact checkpoint (ours or another request's) would never be read
-            rec = self.cache.table.get(key)
+            rec = self.cache.table.get(key) if cfg.sketch_every else None
             if rec is not None:
                 exact = {layer for (layer, kind) in rec.pieces if kind == "recurrent"}
                 self.cache.table.drop(key, lambda layer, kind, piece: kind == "sketch" and layer in exact)

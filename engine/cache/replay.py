@@ -57,6 +57,12 @@ class ReplayPolicy:
     def adaptive(self) -> bool:
         return self.tolerance is not None
 
+    def earliest_restart(self, prefix: int, warmup: int) -> int:
+        """The earliest position a replay of a `prefix`-token match may restart its recurrent
+        states at: its `warmup` tokens before that (the conv states) must fit the budget too."""
+        cap = self.tokens(prefix)
+        return 0 if cap is None else max(0, prefix - cap + warmup)
+
     def tokens(self, prefix: int) -> int | None:
         """The most tokens a replay of a `prefix`-token match may take (None: no cap)."""
         if self.budget is None:
@@ -130,7 +136,7 @@ def choose(policy: ReplayPolicy, end: int, layer_decay: dict[int, torch.Tensor],
     if not layers:
         return None
     zero = torch.stack([bounds(layer_decay[layer]) for layer in layers])  # [L, G + 1]
-    lowest = 0 if cap is None else max(0, end - cap + warmup)
+    lowest = policy.earliest_restart(end, warmup)
     first = -(-lowest // stride)
     # candidates: (position, bound over layers, per-layer bounds, layers restarting from a sketch)
     worst = zero[:, first:].amax(0).tolist()

@@ -56,7 +56,7 @@ class ReusePlan:
     granular_tokens: int = 0  # the most any plan could reuse: whole matched segments, one token left to compute
     notes: tuple[str, ...] = ()  # what is not a failure but explains the numbers (a partial last segment)
     replay_from: int | None = None  # tail replay: the model runs [replay_from, usable_tokens) to rebuild GDN states
-    replay_starts: tuple[tuple[int, int], ...] = ()  # (layer, where its recurrent state restarts from zero)
+    replay_starts: tuple[tuple[int, int], ...] = ()  # (layer, where its recurrent state restarts: zero or sketch)
     replay_bound: float = 0.0  # certified bound on the GDN state error the replay leaves (0: exact)
     replay_seed: int | None = None  # the boundary whose int8 GDN sketches seed the restart (else zero)
     replay_seeded: tuple[int, ...] = ()  # the GDN layers that restart from their sketch
@@ -230,8 +230,8 @@ class Validator:
             return None  # no statistics to certify a replay with
         decay = {layer: torch.cat([r.pieces[(layer, "decay")].data for r in records[:limit]], dim=1)
                  for layer in gdn_layers}
-        stride = b // max(1, next(iter(decay.values())).shape[1] // limit) if limit else 1
         first = next(iter(decay.values()))
+        stride = b // max(1, first.shape[1] // limit) if limit else 1
         seeds = self._seeds(records, limit, (first.shape[0], first.shape[2]))
         pick = choose(self.policy, end, decay, self.replay_warmup, stride, seeds)
         if pick is None or (k > 0 and k * b >= pick.begin):
@@ -243,8 +243,7 @@ class Validator:
         """The boundaries up to `limit` segments (within the budget) where every GDN layer kept an
         int8 sketch of its state, with the sketches' exact errors."""
         b, gdn_layers = self.block_size, self._gdn_layers
-        cap = self.policy.tokens(limit * b)
-        lowest = 0 if cap is None else max(0, limit * b - cap + self.replay_warmup)
+        lowest = self.policy.earliest_restart(limit * b, self.replay_warmup)
         at = [j for j in range(max(0, lowest // b - 1), limit)
               if (j + 1) * b >= lowest and all(_sketch_fits(records[j].pieces.get((layer, "sketch")), shape)
                                                for layer in gdn_layers)]
