@@ -185,6 +185,19 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
+        """A config.json body; anything malformed in it (a value of the wrong type, a list where
+        an object belongs) is a ConfigError naming it."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json must be a JSON object, got a JSON {type(raw).__name__}")
+        try:
+            return cls._from_raw(raw)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            raise ConfigError(f"config.json has a bad value ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_raw(cls, raw: dict) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {model_type!r}; "
@@ -346,6 +359,8 @@ class ModelConfig:
             raise ConfigError(f"{folder} has no config.json")
         try:
             raw = json.loads(path.read_text())
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not text") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(raw)

@@ -119,7 +119,7 @@ def test_plain_repl_commands_and_json(model_dir, tmp_path):
     out = io.StringIO()
     lines = [FACT, "/plan", "/segments", "/branch side", "/branches", "/nonsense", "/fork 99",
              "/fault evict-compressed", "What is the code for Mira?", "/stats", "/quit", "never read"]
-    assert run_plain(s, lines, out, as_json=True) == 0
+    assert run_plain(s, lines, out, as_json=True) == 1  # two lines were refused: a script must know
     records = [json.loads(line) for line in out.getvalue().splitlines()]
     types = [r["type"] for r in records]
     assert types == ["turn", "plan", "segments", "branch", "branches", "error", "error", "fault", "turn", "stats"]

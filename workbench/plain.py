@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sqlite3
 from collections.abc import Callable
 from typing import TextIO
 
@@ -107,8 +108,13 @@ def run_plain(session: ChatSession, lines, out: TextIO, as_json: bool = False,
             errors += 1
             msg = e.args[0] if e.args else str(e)
             say(json.dumps({"type": "error", "error": msg}) if as_json else f"error: {msg}")
+        except sqlite3.Error as e:  # the workbench file itself failed (damaged, full, locked)
+            errors += 1
+            msg = f"workbench database: {type(e).__name__}: {e}"
+            say(json.dumps({"type": "error", "error": msg}) if as_json else f"error: {msg}")
     session.close()
-    return 0
+    # a script reads the exit code: 1 when any line was refused or failed
+    return 1 if errors else 0
 
 
 def _command(session: ChatSession, line: str, say, answer, last, as_json: bool) -> bool:

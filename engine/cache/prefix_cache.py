@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.cache.prefix_index import ROOT, PrefixIndex
+from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import GROUPS, group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
@@ -34,6 +34,7 @@ from engine.cache.states import GDNState, ModelState, Piece, sketch, unsketch
 from engine.cache.replay import ReplayPolicy
 from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator, check_buffer
 from engine.events import CacheLookup
+from engine.model.weights_digest import tensors_digest
 from engine.metrics import CacheMetrics
 
 READ_AHEAD = 32  # segments a fetch asks the lower tier for at once (one query each for rows and blobs)
@@ -102,19 +103,35 @@ class CacheConfig:
 
 
 def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
-    """Model + layout identity: config, dtype, block size, layout version and a digest of the
-    weights (their bytes, sampled so that it stays cheap for large models)."""
+    """Model + layout identity: config, dtype, block size, layout version and a digest of every
+    byte of the weights: the files' for a loaded model (`load_model` sets `weights_digest`,
+    cached per file), the tensors' for one built in memory."""
     mc = model.config
     desc = {"layout_version": LAYOUT_VERSION, "block_size": cfg.block_size, "dtype": str(model.dtype),
             "config": {k: v for k, v in asdict(mc).items() if k != "extra"}}
     h = hashlib.blake2b(json.dumps(desc, sort_keys=True, default=str).encode(), digest_size=16)
-    for name, p in sorted(model.state_dict().items()):
-        n = p.numel()  # sampled in logical order without a copy of the whole (weights may be stored transposed)
-        at = torch.arange(0, n, max(1, n // 4096), device=p.device)
-        sample = torch.take(p.detach(), at).float().cpu().numpy().tobytes()
-        h.update(name.encode())
-        h.update(sample)
+    weights = getattr(model, "weights_digest", None)
+    h.update(b"files:" + weights if weights is not None else b"tensors:" + tensors_digest(model))
     return h.digest()
+
+
+def _parse_row(row: dict, block_size: int) -> tuple[bytes, bytes, int, list[int]] | str:
+    """A lower tier's segment row as (key, parent, index, tokens), or why it is damaged."""
+    key = row.get("key")
+    name = key if isinstance(key, str) and len(key) < 80 else "(a row)"
+    tokens, parent, idx = row.get("tokens"), row.get("parent"), row.get("idx")
+    if not isinstance(tokens, bytes) or len(tokens) != 8 * block_size:
+        size = f"{len(tokens)} bytes" if isinstance(tokens, bytes) else type(tokens).__name__
+        return f"segment {name}: tokens are {size}, not {block_size} int64 ids"
+    if type(idx) is not int or idx < 0:
+        return f"segment {name}: its index {idx!r} is not a count"
+    try:
+        key_b, parent_b = bytes.fromhex(key), bytes.fromhex(parent)
+    except (TypeError, ValueError):
+        return f"segment {name}: its key or parent is not hex"
+    if len(key_b) != 16 or len(parent_b) != 16:
+        return f"segment {name}: its key or parent is not 128 bits"
+    return key_b, parent_b, idx, np.frombuffer(tokens, dtype="<i8").tolist()
 
 
 class LowerTier(Protocol):
@@ -187,12 +204,31 @@ class PrefixCache:
         return ok
 
     def _index_lower(self) -> None:
-        """Make the lower tier's segments matchable: they are logical hits until fetched."""
+        """Make the lower tier's segments matchable: they are logical hits until fetched. A row
+        that does not parse, or whose key is not its content's, is damaged: skipped, counted and
+        named in `lower_damage`; its descendants (and any row whose parent the tier lacks) can
+        then never be reached, so they are skipped too: every one of them is a miss, recomputed,
+        and the rest of the file is used as before."""
+        self.lower_damage: list[str] = []
+        unreachable = 0
         for row in self.lower.segments():
-            tokens = np.frombuffer(row["tokens"], dtype=np.int64).tolist()
-            node = self.index.insert(bytes.fromhex(row["parent"]), row["idx"], tokens)
-            if node is not None and node.key.hex() != row["key"]:
-                self.index.remove(node.key)
+            parsed = _parse_row(row, self.config.block_size)
+            if isinstance(parsed, str):
+                self.lower_damage.append(parsed)
+                continue
+            key, parent, idx, tokens = parsed
+            above = self.index.nodes.get(parent)
+            if (idx == 0) != (parent == ROOT) or (idx > 0 and (above is None or above.index != idx - 1)):
+                unreachable += 1  # under a damaged or missing segment, or at the wrong depth
+                continue
+            if self.index.hash_fn(parent, self.layout, token_bytes(tokens)) != key:
+                self.lower_damage.append(f"segment {key.hex()}: its key is not the hash of its parent and tokens")
+                continue
+            self.index.insert(parent, idx, tokens)
+        if self.lower_damage:
+            self.metrics.lower_failures["damaged row"] += len(self.lower_damage)
+        if unreachable:
+            self.metrics.lower_failures["unreachable row"] += unreachable
 
     def _fetch(self, segments, prompt_len: int, reasons: list[str]) -> None:
         """Bring matched segments that only the lower tier holds into the table, in order, until

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine.config import ConfigError, ModelConfig, parse_dtype
 from engine.model.fused import FusedLinear
 from engine.model.hybrid import HybridModel
+from engine.model.weights_digest import files_digest, header_digest
 
 # parts of multimodal / multi-token-prediction checkpoints that the language model never reads
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
@@ -55,9 +56,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     cfg = ModelConfig.from_folder(folder)
     dtype = parse_dtype(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with torch.device("meta"):
-        model = HybridModel(cfg)
-    state = _to_our_names(cfg, _read_safetensors(folder))  # (no second reference: each original is freed when replaced)
+    try:
+        with torch.device("meta"):
+            model = HybridModel(cfg)
+    except (RuntimeError, ValueError, TypeError, ZeroDivisionError) as e:  # sizes no model can have
+        raise ConfigError(f"{folder / 'config.json'} describes no model hcw can build ({type(e).__name__}: {e})") from None
+    files = _weight_files(folder)
+    state = _to_our_names(cfg, _read_safetensors(files))  # (no second reference: each original is freed when replaced)
     _check(model, state)
     _fuse(model, state)
     state = {k: v.to(device=device, dtype=_param_dtype(cfg, k, v, dtype)) for k, v in state.items()}
@@ -66,6 +71,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    # every byte of the files, so that another model never reuses this one's cached states
+    model.weights_digest = files_digest(files)
     # an inference engine's weights never need gradients; training builds its own model
     return model.eval().requires_grad_(False)
 
@@ -92,23 +99,44 @@ _EXPERT = re.compile(r"(layers\.\d+\.(?:mlp|ffn)\.experts)\.(\d+)\.(gate_proj|up
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder (a sharded index's, or every one), each checked to be
+    one: a truncated or foreign file is a WeightsError naming it, before anything is read."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+            if not all(isinstance(name, str) for name in files):
+                raise TypeError("a weight_map value is not a file name")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightsError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{folder} has no .safetensors weights")
-    out: dict[str, torch.Tensor] = {}
+    out = []
     for name in files:
         shard = folder / name
         if not shard.is_file():
             raise WeightsError(f"shard {name} listed in the index is missing from {folder}")
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
-                out[key] = f.get_tensor(key)
+        try:
+            header_digest(shard)
+        except (OSError, ValueError) as e:
+            raise WeightsError(f"{shard}: {e}") from None
+        out.append(shard)
+    return out
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in files:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for key in f.keys():
+                    out[key] = f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise WeightsError(f"{shard} cannot be read as safetensors: {e}") from None
     return out
 
 

@@ -1,0 +1,198 @@
+"""Issue 22's defects, each pinned by a test that failed before its fix: another model's states are
+never reused, a damaged segment row is a counted miss (never a crash), and damaged model folders
+are one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sqlite3
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from engine import load_model
+from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.config import ConfigError
+from engine.engine import Engine
+from engine.model.loader import WeightsError
+from engine.model.random_init import hcw_hybrid_dict, write_random_model
+from store.tier import DiskTier
+from workbench.cli import app
+
+B = 16
+EMBED = "model.embed_tokens.weight"
+
+
+@pytest.fixture(autouse=True)
+def _digest_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HCW_DIGEST_CACHE", str(tmp_path / "digests.json"))
+
+
+@pytest.fixture(scope="module")
+def folder_a(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("a"), hcw_hybrid_dict(hidden=64), seed=3)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _sampled_digest(model) -> bytes:
+    """The fingerprint's weight part before issue 22: ~4,096 sampled elements per tensor."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in sorted(model.state_dict().items()):
+        n = p.numel()
+        h.update(name.encode() + torch.take(p, torch.arange(0, n, max(1, n // 4096))).float().numpy().tobytes())
+    return h.digest()
+
+
+def _tuned_copy(folder_a, dest, tokens):
+    """Model A with a few token-embedding rows tuned, in elements the old sample skipped."""
+    shutil.copytree(folder_a, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    step = max(1, tensors[EMBED].numel() // 4096)
+    assert step > 1  # otherwise every element is sampled and the test shows nothing
+    row = tensors[EMBED].shape[1]
+    flat = tensors[EMBED].reshape(-1).clone()
+    for t in tokens:
+        for j in range(row):
+            if (t * row + j) % step:
+                flat[t * row + j] += 0.5
+    tensors[EMBED] = flat.reshape(tensors[EMBED].shape)
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
+def _cache(model, db):
+    cfg = CacheConfig(block_size=B, checkpoint_every=1)
+    return PrefixCache(model, cfg, lower=DiskTier(db, layout_fingerprint(model, cfg)))
+
+
+def test_a_model_that_differs_only_where_the_old_sample_skipped_never_reuses_the_others_states(folder_a, tmp_path):
+    prompt = _prompt(96)
+    a = load_model(folder_a, device="cpu")
+    b = load_model(_tuned_copy(folder_a, tmp_path / "b", prompt[:8]), device="cpu")
+    assert _sampled_digest(a) == _sampled_digest(b)  # the sample could not tell them apart
+    db = tmp_path / "hcw.db"
+    Engine(a, cache=_cache(a, db)).start(prompt).finish()  # A's states on disk
+    query = prompt + [5, 6, 7]
+    run = Engine(b, cache=_cache(b, db)).start(query)
+    cold = Engine(b).start(query).logits
+    assert run.plan.usable_tokens == 0
+    assert (run.logits - cold).abs().max().item() < 1e-4  # (the cached run stops at each boundary)
+    # A itself still reuses what it wrote
+    again = Engine(a, cache=_cache(a, db)).start(query)
+    assert again.plan.usable_tokens >= 80
+
+
+def test_a_model_built_in_memory_hashes_every_byte_of_its_tensors(folder_a):
+    model = load_model(folder_a, device="cpu")
+    del model.weights_digest  # as a model trained or built in a test has none
+    before = layout_fingerprint(model, CacheConfig())
+    with torch.no_grad():
+        model.embed_tokens.weight[3, 1] += 1e-3  # one element, one the old sample skipped
+    assert layout_fingerprint(model, CacheConfig()) != before
+
+
+def test_the_file_digest_is_computed_once_and_again_when_the_file_changes(folder_a, tmp_path, monkeypatch):
+    from engine.model import weights_digest
+
+    calls = []
+    real = weights_digest.file_digest
+    monkeypatch.setattr(weights_digest, "file_digest", lambda p: calls.append(p) or real(p))
+    first = load_model(folder_a, device="cpu").weights_digest
+    assert load_model(folder_a, device="cpu").weights_digest == first and len(calls) == 1
+    # a damaged cache file is not trusted: rehashed, same digest
+    weights_digest.cache_path().write_text("[1, 2")
+    assert load_model(folder_a, device="cpu").weights_digest == first and len(calls) == 2
+    entry = next(iter(json.loads(weights_digest.cache_path().read_text()).values()))
+    entry[3] = "0" * 32  # a cache that lies about the digest is only believed while the file is unchanged
+    copy = _tuned_copy(folder_a, tmp_path / "c", [1])
+    assert load_model(copy, device="cpu").weights_digest != first
+
+
+# ---- damaged segment rows -------------------------------------------------------------------
+DAMAGE = {
+    "tokens not a multiple of 8 bytes": ("tokens", lambda v: v[:-3]),
+    "one token short": ("tokens", lambda v: v[:-8]),
+    "tokens NULL": ("tokens", lambda v: None),
+    "tokens as text": ("tokens", lambda v: "abc"),
+    "parent not hex": ("parent", lambda v: "zz" + v[2:]),
+    "parent NULL": ("parent", lambda v: None),
+    "idx not an integer": ("idx", lambda v: "x"),
+    "idx negative": ("idx", lambda v: -1),
+    "idx off by one": ("idx", lambda v: v + 1),
+    "key not its content's": ("key", lambda v: "f" * 32),
+    "key not hex": ("key", lambda v: "key!"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_one_damaged_segment_row_is_a_counted_miss_and_the_rest_of_the_file_is_used(folder_a, tmp_path, damage):
+    model = load_model(folder_a, device="cpu")
+    db = tmp_path / "hcw.db"
+    prompt = _prompt(96)
+    Engine(model, cache=_cache(model, db)).start(prompt).finish()
+    column, change = DAMAGE[damage]
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA foreign_keys=OFF")
+    key, value = conn.execute(f"SELECT key, {column} FROM segments WHERE idx = 3").fetchone()
+    conn.execute(f"UPDATE segments SET {column} = ? WHERE key = ?", [change(value), key])
+    conn.commit()
+    conn.close()
+    cache = _cache(model, db)  # raised before issue 22 for most of these
+    assert len(cache.lower_damage) == (0 if damage == "idx off by one" else 1)
+    assert cache.metrics.lower_failures["damaged row"] + cache.metrics.lower_failures["unreachable row"] >= 1
+    query = prompt + [5, 6, 7]
+    run = Engine(model, cache=cache).start(query)
+    assert run.plan.usable_tokens == 3 * B  # the segments before the damaged one are reused
+    assert (run.logits - Engine(model).start(query).logits).abs().max().item() < 1e-4
+
+
+# ---- damaged model folders: one line, no traceback --------------------------------------------
+def _broken_folder(folder_a, tmp_path, how: str):
+    dest = tmp_path / how
+    shutil.copytree(folder_a, dest)
+    weights = dest / "model.safetensors"
+    if how == "config-array":
+        (dest / "config.json").write_text("[1, 2, 3]")
+    elif how == "config-wrong-type":
+        raw = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**raw, "hidden_size": "wide", "layer_types": 7}))
+    elif how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif how == "truncated-body":
+        weights.write_bytes(weights.read_bytes()[:-1000])
+    elif how == "huge-header":
+        weights.write_bytes((10**12).to_bytes(8, "little") + weights.read_bytes()[8:])
+    elif how == "empty":
+        weights.write_bytes(b"")
+    return dest
+
+
+BROKEN = ["config-array", "config-wrong-type", "truncated", "truncated-body", "huge-header", "empty"]
+
+
+@pytest.mark.parametrize("how", BROKEN)
+def test_a_damaged_model_folder_is_a_named_error(folder_a, tmp_path, how):
+    with pytest.raises((ConfigError, WeightsError)) as e:
+        load_model(_broken_folder(folder_a, tmp_path, how), device="cpu")
+    assert str(tmp_path) in str(e.value) or "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("how", BROKEN)
+@pytest.mark.parametrize("command", ["generate", "drill", "chat"])
+def test_every_command_says_one_line_for_a_damaged_model_folder(folder_a, tmp_path, how, command):
+    folder = _broken_folder(folder_a, tmp_path, how)
+    args = {"generate": ["generate", "--model", str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"],
+            "drill": ["drill", "--model", str(folder)],
+            "chat": ["chat", "--model", str(folder), "--db", str(tmp_path / "c.db"), "--plain"]}[command]
+    res = CliRunner().invoke(app, args, input="hello\n")
+    assert res.exit_code != 0
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.output
