@@ -103,7 +103,9 @@ class WriteBehind:
             queued = list(self._pending.values()) + ([self._writing] if self._writing is not None else [])
             rows += [{"key": a[0].hex(), "parent": a[1].hex(), "idx": a[2], "tokens": a[3]}
                      for a in queued if a[0].hex() not in known]
-        return sorted(rows, key=lambda r: r["idx"])
+        # a damaged row's idx may be NULL, text or a blob: after the others, in the order read (the
+        # cache names it as damage; sorting it with the integers would raise)
+        return sorted(rows, key=lambda r: (0, r["idx"]) if type(r["idx"]) is int else (1, 0))
 
     # ---- the queue ------------------------------------------------------------------------------
     @property

@@ -1,0 +1,94 @@
+"""The damage fuzzer (workbench/damage.py) over a workbench file made by a real chat: every damage
+kind on every column of every table, and the raw file's bytes, each case resumed and asked the next
+question and checked by `hcw inspect --verify`. Every case must end correct, or refused with one
+line naming the damage; never a wrong answer, a traceback or a hang (each case runs in a worker
+process killed after its time limit). benchmarks/reliability.py runs ten thousand."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from workbench import damage
+
+TIMEOUT_S = 60
+EXTRA_FILE_CASES = 12  # per file kind, beyond the one every combination gets
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return damage.make_pristine(tmp_path_factory.mktemp("damage"))
+
+
+def _specs(pristine: Path) -> list[damage.Spec]:
+    db = Path(json.loads(pristine.read_text())["db"])
+    specs = damage.schedule(db, len(damage.combos(damage.columns(db))), seed=0)
+    seed = 1_000
+    for kind in damage.FILE_KINDS:
+        specs += [damage.Spec(kind, None, None, seed + i) for i in range(EXTRA_FILE_CASES)]
+        seed += EXTRA_FILE_CASES
+    return specs
+
+
+def _report(root: Path, failures: list[dict]) -> str:
+    return "\n".join(f"{r['outcome']} ({r['kind']} {r['table']}.{r['column']}, verify {r['verify']}): {r['detail']}\n"
+                     f"    {r['message'][-400:]}\n    {r['verify_text'][-400:]}\n    {damage.reproducer(root, r)}"
+                     for r in failures[:12])
+
+
+def test_every_damage_ends_correct_or_refused_naming_it(pristine):
+    specs = _specs(pristine)
+    results = damage.run_cases(pristine, specs, workers=2, timeout_s=TIMEOUT_S)
+    summary = damage.summarize(results)
+    assert summary["cases"] == len(specs)
+    # every kind, and every (kind, table, column) combination, ran
+    assert set(summary["per_kind"]) == set(damage.KINDS)
+    ran = Counter((r["kind"], r["table"], r["column"]) for r in results)
+    assert all(ran[c] for c in damage.combos(damage.columns(Path(json.loads(pristine.read_text())["db"]))))
+    failures = summary["failures"]
+    outcomes = summary["outcomes"]
+    assert not failures, f"{len(failures)} failing case(s) of {len(results)}; {outcomes}\n" + _report(
+        pristine.parent, failures)
+    assert outcomes.get("correct", 0) and outcomes.get("refused", 0), outcomes
+    for kind in ("wrong", "unclear", "crash", "hang"):
+        assert outcomes.get(kind, 0) == 0
+    # what the chat refused, or what the digests show, `hcw inspect --verify` names too
+    missed = [r for r in results if r["verify_missed"]]
+    assert not missed, _report(pristine.parent, missed)
+
+
+def test_the_watchdog_reports_a_hang_and_goes_on_with_a_new_worker(pristine):
+    spec = damage.Spec("bitflip", "messages", "created", 7)
+    # the first case waits for the worker to start; the second cannot finish in 1 ms: a "hang", the
+    # worker killed; the third starts a new one
+    results = damage.run_cases(pristine, [spec, spec, spec], workers=1, timeout_s=0.001)
+    assert [r["outcome"] for r in results] == ["correct", "hang", "correct"], results
+
+
+def test_a_segment_row_whose_index_is_not_an_integer_is_a_miss(pristine, tmp_path):
+    # regression: WriteBehind.segments sorted rows by idx in Python, and NULL or a blob raised
+    # TypeError out of PrefixCache construction, so the chat could not open at all
+    from engine import load_model
+    from workbench.session import ChatSession
+
+    info = json.loads(pristine.read_text())
+    db = tmp_path / "c.db"
+    db.write_bytes(Path(info["db"]).read_bytes())
+    con = sqlite3.connect(db)
+    con.execute("UPDATE segments SET idx = x'03' WHERE rowid = 2")
+    con.execute("UPDATE segments SET idx = 'seven' WHERE rowid = 3")
+    con.commit()
+    con.close()
+    model = load_model(info["model"])
+    s = ChatSession(damage.chat_options(Path(info["model"]), db, session=info["conversation"]), model=model)
+    try:
+        answer = s.send(info["question"]).text
+        history = damage.read_history(db, s.thread.id, strict=True)[:-2]
+    finally:
+        s.close()
+    assert answer == damage.Oracle(info, model).answer(history)
+    assert s.cache.metrics.lower_failures["damaged row"] == 2
