@@ -1,4 +1,5 @@
-"""Conversations as a message tree: shared rows, threads, edits, persistence, migrations, `hcw inspect --session`."""
+"""Conversations as a message tree: shared rows, threads, edits, drafts, persistence, migrations,
+`hcw inspect --session`. Damaged rows: tests/test_damage_store.py."""
 
 from __future__ import annotations
 
@@ -117,6 +118,97 @@ def test_set_tip_and_rename(convs):
         convs.set_tip(main.id, convs.thread(other.id).tip)
     with pytest.raises(ValueError, match="empty"):
         convs.rename(main.id, "  ")
+
+
+def test_a_streamed_answer_is_written_as_drafts_each_replacing_the_last(convs):
+    _, main, ids = _chat(convs)
+    user = convs.append(main.id, "user", "4+4?")
+    rows = _rows(convs)
+    first = convs.append(main.id, "assistant", "8", meta={"incomplete": True})
+    assert first.parent == user.id and convs.thread(main.id).tip == first.id and _rows(convs) == rows + 1
+    second = convs.append(main.id, "assistant", "8, since", meta={"incomplete": True}, replaces=first.id)
+    assert second.parent == user.id and _rows(convs) == rows + 1
+    with pytest.raises(KeyError):
+        convs.message(first.id)
+    final = convs.append(main.id, "assistant", "8, since 4+4=8", tokens=7, meta={"stop_reason": "eos"},
+                         replaces=second.id)
+    assert _rows(convs) == rows + 1 and _texts(convs, main.id)[-2:] == ["4+4?", "8, since 4+4=8"]
+    assert convs.message(final.id).meta == {"stop_reason": "eos"} and convs.children(user.id) == [final]
+    # the answer's last draft already holds its whole text: the row is written again, complete
+    convs.append(main.id, "user", "again")
+    draft = convs.append(main.id, "assistant", "same", meta={"incomplete": True})
+    done = convs.append(main.id, "assistant", "same", tokens=1, meta={"stop_reason": "eos"}, replaces=draft.id)
+    assert done.id == draft.id and (convs.message(done.id).tokens, convs.message(done.id).meta) == (
+        1, {"stop_reason": "eos"})
+    assert convs.check() == []
+
+
+def test_a_draft_equal_to_a_complete_sibling_never_deletes_it(convs):
+    _, main, ids = _chat(convs)
+    convs.set_tip(main.id, ids[3])  # "3+3?" answered again; "6" is its complete answer
+    draft = convs.append(main.id, "assistant", "6", meta={"incomplete": True})
+    assert draft.id == ids[4] and draft.meta == {"ms": 1.5}  # that complete row, as it was
+    convs.append(main.id, "assistant", "6, of course", meta={"incomplete": True}, replaces=draft.id)
+    final = convs.append(main.id, "assistant", "6, of course.", replaces=convs.thread(main.id).tip)
+    assert [m.content for m in convs.children(ids[3])] == ["6", "6, of course."]
+    assert convs.message(ids[4]).meta == {"ms": 1.5} and convs.thread(main.id).tip == final.id
+    convs.set_tip(main.id, ids[3])
+    again = convs.append(main.id, "assistant", "6", meta={"incomplete": True})
+    convs.discard_draft(main.id, again.id, ids[3])
+    assert convs.message(ids[4]).content == "6" and convs.thread(main.id).tip == ids[3]
+
+
+def test_a_draft_that_something_refers_to_is_kept(convs):
+    _, main, ids = _chat(convs)
+    user = convs.append(main.id, "user", "q")
+    draft = convs.append(main.id, "assistant", "partial", meta={"incomplete": True})
+    keep = convs.fork(draft.id, "keep")  # another thread's tip and fork point
+    convs.append(main.id, "assistant", "partial answer", replaces=draft.id)
+    assert convs.message(draft.id).meta == {"incomplete": True} and convs.thread(keep.id).tip == draft.id
+    convs.set_tip(main.id, user.id)
+    held = convs.append(main.id, "assistant", "half", meta={"incomplete": True})
+    child = convs.append(main.id, "user", "go on")
+    convs.set_tip(main.id, held.id)
+    convs.discard_draft(main.id, held.id, user.id)
+    assert convs.message(held.id).content == "half" and convs.message(child.id).parent == held.id
+    # the kept draft's text, written whole: that row is complete now
+    convs.set_tip(main.id, user.id)
+    whole = convs.append(main.id, "assistant", "partial", tokens=1, meta={"stop_reason": "eos"})
+    assert whole.id == draft.id and convs.message(draft.id).meta == {"stop_reason": "eos"}
+    assert convs.check() == []
+
+
+def test_replacing_or_discarding_what_is_not_the_tip_writes_nothing(convs):
+    conv, main, ids = _chat(convs)
+    with pytest.raises(ValueError, match="not the tip"):
+        convs.append(main.id, "assistant", "x", replaces=ids[3])
+    with pytest.raises(ValueError, match="not the tip"):
+        convs.discard_draft(main.id, ids[3], ids[2])
+    _, other = convs.create(system="elsewhere")
+    with pytest.raises(ValueError, match="another conversation"):
+        convs.discard_draft(main.id, ids[4], convs.thread(other.id).tip)
+    with pytest.raises(KeyError, match="feed"):
+        convs.discard_draft(main.id, ids[4], "feed")
+    assert _rows(convs) == 6 and convs.thread(main.id).tip == ids[4]
+    # a complete tip "discarded" only moves the tip: the row is not a draft
+    assert convs.discard_draft(main.id, ids[4], ids[3]).tip == ids[3] and convs.message(ids[4]).content == "6"
+
+
+def test_a_failed_turn_discards_its_draft(convs):
+    _, main, ids = _chat(convs)
+    user = convs.append(main.id, "user", "q")
+    draft = convs.append(main.id, "assistant", "par", meta={"incomplete": True})
+    assert convs.discard_draft(main.id, draft.id, ids[4]).tip == ids[4]  # where the thread was before the turn
+    with pytest.raises(KeyError):
+        convs.message(draft.id)
+    assert convs.message(user.id).content == "q" and _texts(convs, main.id)[-1] == "6"
+    draft = convs.append(main.id, "assistant", "again", meta={"incomplete": True})
+    assert convs.discard_draft(main.id, draft.id).tip == ids[4]  # by default, the draft's parent
+    assert _rows(convs) == 6
+    _, empty = convs.create()
+    draft = convs.append(empty.id, "assistant", "x", meta={"incomplete": True})
+    assert convs.discard_draft(empty.id, draft.id, None).tip is None and convs.path(empty.id) == []
+    assert convs.check() == []
 
 
 def test_conversations_are_listed_most_recently_updated_first(convs):
@@ -297,6 +389,8 @@ def test_random_appends_forks_edits_and_rewinds_keep_the_tree_sound(ops):
                 assert path[0].parent is None and path[-1].id == t.tip
                 assert all(m.conversation == conv_id for m in path)
                 assert all(b.parent == a.id for a, b in itertools.pairwise(path))
+        assert convs.check(conv_id) == []
+    assert convs.check() == []
     assert db.execute("SELECT count(*) FROM messages m JOIN messages p ON p.id = m.parent "
                       "WHERE p.conversation != m.conversation").fetchone()[0] == 0
 
@@ -343,6 +437,7 @@ def test_hcw_inspect_session_json(tmp_path):
     assert [m["id"] for m in messages[:5]] == ids and [m["depth"] for m in messages] == [0, 1, 2, 3, 4, 3, 4]
     assert messages[4]["tip_of"] == ["main"] and messages[6]["tip_of"] == ["edit-1"]
     assert messages[1]["tokens"] == 4 and messages[1]["meta"] == {"ms": 1.5}
+    assert all(m["damaged"] is None for m in messages) and report["findings"] == []
 
 
 def test_hcw_inspect_lists_conversations_and_refuses_unknown_sessions(tmp_path):

@@ -158,13 +158,16 @@ def inspect_db(
                                        "its threads and branch tree"),
 ) -> None:
     """Show what the workbench database holds: segments, bytes and compression by state kind, and
-    conversations; with --session, one conversation's threads and branch tree."""
-    from workbench.inspect_cmd import inspect
+    conversations; with --session, one conversation's threads and branch tree. Exit 1 on any
+    finding (--verify, or a damaged conversation) or a file that is not a readable workbench database."""
+    from workbench.inspect_cmd import DatabaseUnreadable, inspect
 
     if session is not None and (verify or gc):
         _fail("--session shows one conversation; run --verify and --gc without it")
     try:
         bad = inspect(db, verify, gc, as_json, sys.stdout, session)
+    except DatabaseUnreadable as e:
+        _fail(str(e), 1)
     except ValueError as e:
         _fail(str(e))
     if bad:
