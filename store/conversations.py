@@ -361,6 +361,9 @@ class Conversations:
             findings += [f"conversation {conv}: message {id}: {why}" for why in _row_damage(r)]
         findings += self._cycles(rows)
         for t in list(self.db.query(f"SELECT * FROM threads {where} ORDER BY rowid", args)):
+            if not isinstance(t["id"], str):
+                findings.append(f"conversation {t['conversation']}: thread {t['name']}: its id {t['id']!r} is not "
+                                "text: it cannot be opened")
             if t["conversation"] not in known:
                 findings.append(f"thread {t['id']} ({t['name']}): its conversation {t['conversation']} is missing")
             try:

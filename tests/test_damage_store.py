@@ -279,6 +279,14 @@ def test_rows_changed_after_they_were_written_and_lost_references_are_findings(b
     assert convs.check(conv) == [f for f in found if f.startswith(f"conversation {conv}:")]
 
 
+def test_a_thread_without_an_id_is_a_finding(bench):
+    path, convs, conv, threads, ids, keys = bench
+    _damage(path, ("UPDATE threads SET id = NULL WHERE id = ?", [threads["main"]]))
+    assert f"conversation {conv}: thread main: its id None is not text: it cannot be opened" in convs.check()
+    res = _inspect(path, "--verify")
+    assert res.exit_code == 1 and "thread main: its id None is not text" in res.stdout
+
+
 def test_path_stays_one_bounded_query_for_a_long_chat(tmp_path):
     import time
 
@@ -377,6 +385,19 @@ def test_a_file_that_is_not_a_workbench_database_is_one_error_line(bench, tmp_pa
             assert res.stderr.startswith(f"error: {bad} is not a workbench database (") and \
                 res.stderr.count("\n") == 1, (bad.name, args, res.stderr)
         assert bad.read_bytes() == before  # nothing was written into it
+
+
+@pytest.mark.parametrize("lost, exists", [("m001_cache_tables", 'table "models" already exists'),
+                                          ("m003_blob_packs", "duplicate column name: members")])
+def test_a_lost_record_of_the_migrations_applied_is_one_error_line(bench, lost, exists):
+    # opening migrates: with the record gone, a migration already applied runs again and fails
+    path, convs, conv, *_ = bench
+    convs.db.close()
+    _damage(path, ("DELETE FROM _sqlite_migrations WHERE name = ?", [lost]))
+    for args in ([], ["--verify"], ["--session", conv]):
+        res = _inspect(path, *args)
+        assert res.exit_code == 1 and res.stderr == (
+            f"error: {path} is not a workbench database (opening it: {exists})\n"), res.stderr
 
 
 def test_every_zeroed_page_is_an_error_line_or_findings_never_a_traceback(bench, tmp_path):

@@ -47,10 +47,20 @@ def inspect(db_path: Path | None, verify: bool, gc: bool, as_json: bool, out: Te
         if session is not None:
             return _session(path, session, as_json, out)
         return _report(path, verify, gc, as_json, out)
-    except sqlite3.OperationalError as e:  # locked, I/O: the file may be sound
-        raise DatabaseUnreadable(f"cannot read {path} ({e})") from None
     except sqlite3.DatabaseError as e:
-        raise DatabaseUnreadable(f"{path} is not a workbench database ({e})") from None
+        raise _unreadable(path, e) from None
+
+
+# SQLite's primary result codes that say nothing about the file's contents: permission, busy,
+# locked, out of memory, read-only, I/O error, disk full, cannot open
+_NOT_THE_FILE = {3, 5, 6, 7, 8, 10, 13, 14}
+
+
+def _unreadable(path: Path, e: sqlite3.DatabaseError, doing: str = "") -> DatabaseUnreadable:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF in _NOT_THE_FILE:  # the file may be sound
+        return DatabaseUnreadable(f"cannot read {path} ({doing}{e})")
+    return DatabaseUnreadable(f"{path} is not a workbench database ({doing}{e})")
 
 
 def _check_file(path: Path) -> None:
@@ -80,16 +90,23 @@ def _check_file(path: Path) -> None:
             tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
             con.close()
-    except sqlite3.OperationalError as e:
-        raise DatabaseUnreadable(f"cannot read {path} ({e})") from None
     except sqlite3.DatabaseError as e:
-        raise unreadable(str(e)) from None
+        raise _unreadable(path, e) from None
     if "segments" not in tables:
         raise unreadable("an SQLite file without the workbench's tables")
 
 
+def _opened(path: Path, open_):
+    """open_(path), its failure named as such: opening migrates, and a damaged record of the
+    migrations applied makes one try to create a table that exists."""
+    try:
+        return open_(path)
+    except sqlite3.DatabaseError as e:
+        raise _unreadable(path, e, "opening it: ") from None
+
+
 def _report(path: Path, verify: bool, gc: bool, as_json: bool, out: TextIO) -> bool:
-    tier = DiskTier(path)
+    tier = _opened(path, DiskTier)
     try:
         return _written(tier, path, verify, gc, as_json, out)
     finally:
@@ -252,7 +269,7 @@ def _listing(db) -> list[dict]:
 
 def _session(path: Path, session: str, as_json: bool, out: TextIO) -> bool:
     """One conversation's threads and tree, and every finding in its rows (then True)."""
-    db = open_db(path)
+    db = _opened(path, open_db)
     try:
         convs = Conversations(db)
         try:
