@@ -196,3 +196,117 @@ def test_every_command_says_one_line_for_a_damaged_model_folder(folder_a, tmp_pa
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.output
+
+
+# ---- the chat: damage reported, exit codes that tell -------------------------------------------
+def _chat(folder, db, *lines, extra=()):
+    return CliRunner().invoke(app, ["chat", "--model", str(folder), "--db", str(db), "--plain", "--max-new-tokens",
+                                    "3", *extra], input="".join(line + "\n" for line in lines))
+
+
+def test_piped_chat_exits_1_after_a_past_limit_message_and_0_when_all_went_well(folder_a, tmp_path):
+    res = _chat(folder_a, tmp_path / "c.db", "hello", "x" * 9000)
+    assert res.exit_code == 1 and "error: " in res.stdout and "Traceback" not in res.output
+    assert _chat(folder_a, tmp_path / "c.db", "hello").exit_code == 0
+
+
+def test_the_chat_names_damaged_segment_rows_at_start_and_still_answers(folder_a, tmp_path):
+    db = tmp_path / "c.db"
+    first = _chat(folder_a, db, "The code for Mira is 4821. What is the code?")
+    assert first.exit_code == 0, first.output
+    conv = first.stdout.split("conversation ", 1)[1].split()[0]
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE segments SET tokens = x'0102' WHERE idx = 0")
+    conn.commit()
+    conn.close()
+    res = _chat(folder_a, db, "And again?", extra=["--session", conv])
+    assert res.exit_code == 0, res.output
+    assert "warning: the workbench file has 1 damaged segment row(s)" in res.stdout
+    assert "[miss" in res.stdout or "[hit" in res.stdout
+
+
+def test_a_database_error_during_a_turn_is_one_line_and_exit_1(folder_a, tmp_path):
+    from workbench.plain import run_plain
+    from workbench.session import ChatOptions, ChatSession
+    import io
+
+    s = ChatSession(ChatOptions(model=folder_a, db=tmp_path / "d.db", block_size=B, max_new_tokens=3))
+
+    def broken(*a, **k):
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    s.store.append = broken
+    out = io.StringIO()
+    assert run_plain(s, ["hello"], out) == 1
+    assert "error: workbench database: DatabaseError: database disk image is malformed" in out.getvalue()
+
+
+# ---- a streamed answer is on disk while it streams ---------------------------------------------
+def _messages(db) -> int:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("SELECT count(*) FROM messages").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def test_drafts_written_while_streaming_leave_only_the_answer(folder_a, tmp_path, monkeypatch):
+    from workbench import session as session_mod
+    from workbench.session import ChatOptions, ChatSession
+
+    monkeypatch.setattr(session_mod, "DRAFT_INTERVAL_S", 0.0)  # a draft at every token
+    s = ChatSession(ChatOptions(model=folder_a, db=tmp_path / "d.db", block_size=B, max_new_tokens=8,
+                                ignore_eos=True))
+    seen = []
+    r = s.send("hello there", on_text=lambda d: seen.append(s.store.path(s.thread.id)[-1]))
+    drafts = [m for m in seen if m.role == "assistant"]
+    assert drafts and all(m.meta.get("incomplete") for m in drafts)  # the tip was the draft while streaming
+    last = s.path()[-1]
+    assert last.content == r.text and not last.meta.get("incomplete") and last.meta["stop_reason"] == "length"
+    assert _messages(tmp_path / "d.db") == 3  # system, user, answer: every draft replaced, none left behind
+
+    def fail(delta):
+        if len(s.path()) > 4:  # a draft of this turn's answer is the tip
+            raise RuntimeError("the screen went away")
+
+    tip = s.path()[-1].id
+    with pytest.raises(RuntimeError):
+        s.send("and again", on_text=fail)
+    assert s.path()[-1].id == tip and _messages(tmp_path / "d.db") == 4  # the user row stays, on no path
+    s.close()
+
+
+def test_a_chat_killed_mid_answer_leaves_the_partial_answer_labelled_incomplete(folder_a, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    db = tmp_path / "k.db"
+    code = (f"import sys\nfrom workbench.session import ChatOptions, ChatSession\n"
+            f"s = ChatSession(ChatOptions(model={str(folder_a)!r}, db={str(db)!r}, max_new_tokens=100000, "
+            f"ignore_eos=True))\nprint(s.conversation.id, flush=True)\n"
+            f"s.send('tell me a long story', on_text=lambda d: print('.', end='', flush=True))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(os.getcwd())})
+    conv = proc.stdout.readline().strip()
+    assert proc.stdout.read(1) == "."  # streaming
+    time.sleep(1.5)  # longer than a draft's interval
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    res = CliRunner().invoke(app, ["chat", "--model", str(folder_a), "--db", str(db), "--plain", "--session", conv],
+                             input="/history\n")
+    assert res.exit_code == 0, res.output
+    last = res.stdout.strip().splitlines()[-1]
+    assert "assistant" in last and "(incomplete: interrupted)" in last
+    from store.conversations import Conversations
+    from store.db import open_db
+
+    conn = open_db(db)
+    convs = Conversations(conn)
+    assert convs.check() == []
+    thread = convs.threads(conv)[0]
+    answer = convs.path(thread.id)[-1]
+    assert answer.meta["incomplete"] and len(answer.content) > 0
+    conn.close()

@@ -91,6 +91,8 @@ def run_plain(session: ChatSession, lines, out: TextIO, as_json: bool = False,
 
     if not as_json:
         say(f"hcw chat · conversation {session.conversation.id} · branch {session.thread.name} · /help for commands")
+    for warning in session.warnings():
+        say(json.dumps({"type": "warning", "warning": warning}) if as_json else f"warning: {warning}")
     errors = 0
     for raw in lines:
         if prompt is not None:
@@ -138,8 +140,10 @@ def _command(session: ChatSession, line: str, say, answer, last, as_json: bool) 
         say(HELP)
     elif cmd == "history":
         path = session.path()
-        emit("history", [{"index": i, "role": m.role, "content": m.content} for i, m in enumerate(path)],
-             [f"{i:>3} {m.role:<9} {m.content[:100]!r}" for i, m in enumerate(path)])
+        emit("history", [{"index": i, "role": m.role, "content": m.content,
+                          "incomplete": bool(m.meta.get("incomplete"))} for i, m in enumerate(path)],
+             [f"{i:>3} {m.role:<9} {m.content[:100]!r}" + ("  (incomplete: interrupted)" if m.meta.get("incomplete")
+                                                             else "") for i, m in enumerate(path)])
     elif cmd == "branches":
         threads = session.store.threads(session.conversation.id)
         emit("branches", [{"id": t.id, "name": t.name, "current": t.id == session.thread.id} for t in threads],

@@ -28,6 +28,7 @@ from store.conversations import Conversations, Message, Thread
 from store.write_behind import WriteBehind
 
 REUSE_POLICIES = ("exact", "approximate", "off")
+DRAFT_INTERVAL_S = 0.5  # a streaming answer is on disk at most this far behind (marked incomplete)
 # the presence columns of the segment state table: column -> the state kinds it stands for
 PRESENCE = {"kv": ("kv",), "compressed": ("compressed",), "tail": ("tail", "overlap"), "window": ("window",),
             "indexer": ("index_keys", "index_tail", "index_overlap"), "gdn": ("recurrent", "conv")}
@@ -134,6 +135,33 @@ class ChatOptions:
             raise ValueError("max_new_tokens must be >= 1")
         if self.decode_threads is not None and self.decode_threads < 1:
             raise ValueError("decode_threads must be >= 1")
+
+
+class _Draft:
+    """The answer of a turn in progress, kept in the tree while it streams: every DRAFT_INTERVAL_S
+    the thread's tip becomes an assistant message holding the text so far, marked incomplete, in
+    place of the previous one; the turn's end replaces it with the answer. A process killed in the
+    middle leaves the partial answer, labelled, not nothing."""
+
+    def __init__(self, session: ChatSession):
+        self.session = session
+        self.id: str | None = None
+        self.last = time.monotonic()
+
+    def tick(self, token_ids: list[int]) -> None:
+        now = time.monotonic()
+        if now - self.last < DRAFT_INTERVAL_S:
+            return
+        self.last = now
+        s = self.session
+        text = s.tok.decode([t for t in token_ids if t not in s.tok.eos_ids])
+        self.id = s.store.append(s.thread.id, "assistant", text, tokens=len(token_ids),
+                                 meta={"incomplete": True}, replaces=self.id).id
+
+    def discard(self) -> None:
+        if self.id is not None:
+            self.session.store.discard_draft(self.session.thread.id, self.id)
+            self.id = None
 
 
 @dataclass(frozen=True)
@@ -258,12 +286,14 @@ class ChatSession:
         ids = self.prompt_ids(self.path())
         decoder = StreamDecoder(self.tok)
         out: list[int] = []
+        draft = _Draft(self)
 
         def on_token(token: int) -> None:
             out.append(token)
             delta = decoder.push(token)
             if on_text is not None and delta:
                 on_text(delta)
+            draft.tick(out)
             if should_stop is not None and should_stop():
                 raise Cancelled
 
@@ -278,6 +308,9 @@ class ChatSession:
             stop_reason = gen.stop_reason
         except Cancelled:
             pass
+        except BaseException:
+            draft.discard()  # no answer: the turn is undone by the caller
+            raise
         wall_ms = 1000 * (time.perf_counter() - t0)
         lookup = self.cache.events[-1] if self.cache is not None and len(self.cache.events) > before else None
         answer_ids = [t for t in out if t not in self.tok.eos_ids]
@@ -288,7 +321,8 @@ class ChatSession:
                 "tokens_per_s": round(tps, 2), "outcome": lookup.outcome if lookup else "off",
                 "cached_tokens": lookup.plan.usable_tokens if lookup else 0,
                 "exact": lookup.plan.exact if lookup else True}
-        message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta)
+        message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta,
+                                    replaces=draft.id)
         saved = self.tier.saved - saved_before  # the engine saved (and flushed) at the request's end, cancelled too
         self._count(lookup, ttft, tps)
         budget = (self.cache.validator.policy.tokens(lookup.plan.usable_tokens) or 0) \
@@ -359,10 +393,25 @@ class ChatSession:
         return self.thread
 
     def resume(self, conversation: str) -> None:
-        """Continue a stored conversation (id or unique prefix) on its most recently updated branch."""
-        self.conversation = self.store.conversation(self.store.resolve("conversation", conversation))
-        threads = sorted(self.store.threads(self.conversation.id), key=lambda t: t.updated, reverse=True)
-        self.thread = threads[0]
+        """Continue a stored conversation (id or unique prefix) on its most recently updated
+        branch. Its history is read now: a damaged one is refused here (ConversationDamaged names
+        the damage and what is intact), never answered from a shortened context later."""
+        found = self.store.conversation(self.store.resolve("conversation", conversation))
+        # a thread row without an id cannot be named or continued (`hcw inspect --verify` lists it)
+        threads = sorted((t for t in self.store.threads(found.id) if isinstance(t.id, str)),
+                         key=lambda t: t.updated if isinstance(t.updated, str) else "", reverse=True)
+        if not threads:
+            raise ValueError(f"conversation {found.id} has no usable branch; `hcw inspect --verify` names the damage")
+        self.store.path(threads[0].id)
+        self.conversation, self.thread = found, threads[0]
+
+    def warnings(self) -> list[str]:
+        """What the workbench file held that could not be used: each a line for the user."""
+        damage = getattr(self.cache, "lower_damage", None) or []
+        if not damage:
+            return []
+        return [f"the workbench file has {len(damage)} damaged segment row(s) (first: {damage[0]}); they and "
+                "the segments after them are recomputed when needed; `hcw inspect --verify` lists them"]
 
     # ---- faults and views ------------------------------------------------------------------
     def fault(self, name: str) -> int:

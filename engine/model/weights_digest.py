@@ -53,9 +53,11 @@ def header_digest(path: Path) -> str:
 def file_digest(path: Path) -> str:
     """xxh3-128 of the whole file, hex."""
     h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ):
-            h.update(chunk)
+    buf = bytearray(_READ)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:  # into one buffer: no allocation per read
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 

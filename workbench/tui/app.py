@@ -101,6 +101,11 @@ class ChatApp(App):
         self.set_interval(1.0, self.refresh_stats)
         self.set_interval(1 / STREAM_HZ, self.flush_stream)
         self.query_one(Input).focus()
+        try:
+            for warning in self.session.warnings():
+                self.notify(warning, severity="warning", timeout=30)
+        except EngineProcessError as e:
+            self.engine_lost(e)
 
     # ---- views -------------------------------------------------------------------------
     def refresh_views(self, messages: bool = False) -> None:

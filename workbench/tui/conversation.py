@@ -58,7 +58,8 @@ class ConversationView(VerticalScroll):
         for view in views[keep:]:
             view.remove()
         if keep < len(messages):
-            self.mount_all([self._view(i, m.role, m.content) for i, m in enumerate(messages) if i >= keep])
+            self.mount_all([self._view(i, m.role, m.content, incomplete=bool(m.meta.get("incomplete")))
+                            for i, m in enumerate(messages) if i >= keep])
         # to the end when messages changed (a switch, an edit, a new turn shown); after a turn whose
         # answer is already on screen, only if the pane was following it, not while the user reads
         if keep < len(views) or keep < len(messages) or self.scroll_y >= self.max_scroll_y - 1:
@@ -71,7 +72,8 @@ class ConversationView(VerticalScroll):
         return view
 
     @staticmethod
-    def _view(index: int, role: str, text: str, streamed: bool = False) -> MessageView:
+    def _view(index: int, role: str, text: str, streamed: bool = False, incomplete: bool = False) -> MessageView:
         view = MessageView(text, role, streamed)
-        view.border_title = f"{index} · {role}"
+        # an answer the process was killed in the middle of: what had streamed, kept and labelled
+        view.border_title = f"{index} · {role}" + (" · incomplete (interrupted)" if incomplete else "")
         return view
