@@ -55,6 +55,21 @@ def _recorded(presence: str) -> tuple[tuple[int, str, int], ...]:
     return tuple(out)
 
 
+def _presence(raw) -> dict[str, int] | None:
+    """A stored presence column as {"layer:kind": parts}, or None when it is not one (damaged)."""
+    try:
+        presence = json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(presence, dict):
+        return None
+    for name, count in presence.items():
+        layer, sep, kind = name.partition(":")
+        if not (sep and kind and layer.isdigit() and type(count) is int and count >= 0):
+            return None
+    return presence
+
+
 class DiskTier:
     def __init__(self, path: str | Path | None = None, layout: bytes = b""):
         self.db: sqlite_utils.Database = open_db(path)
@@ -100,7 +115,10 @@ class DiskTier:
         # would let the row become visible before its blobs
         with conn:
             old = conn.execute("SELECT presence FROM segments WHERE key = ?", [key]).fetchone()
-            presence = json.loads(old[0]) if old else {}
+            presence = _presence(old[0]) if old else {}
+            if presence is None:  # a damaged row is replaced whole, or it would fail every save and load
+                conn.execute("DELETE FROM blobs WHERE segment = ?", [key])
+                presence = {}
             kinds = sorted({kind for kind, _ in members})
             # a kind given replaces what is stored of it; its layers not given are kept (re-packed)
             for kind, member, t in self._kept(key, kinds, counts, presence):

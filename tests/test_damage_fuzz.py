@@ -92,3 +92,29 @@ def test_a_segment_row_whose_index_is_not_an_integer_is_a_miss(pristine, tmp_pat
         s.close()
     assert answer == damage.Oracle(info, model).answer(history)
     assert s.cache.metrics.lower_failures["damaged row"] == 2
+
+
+def test_a_segment_row_with_damaged_presence_is_replaced_by_the_next_save(pristine, tmp_path):
+    # regression: DiskTier._save parsed the stored presence to merge into it, so a row whose presence
+    # was not JSON failed every save after it, and every resume recomputed from that segment on
+    from engine import load_model
+    from workbench.session import ChatSession
+
+    info = json.loads(pristine.read_text())
+    db = tmp_path / "p.db"
+    db.write_bytes(Path(info["db"]).read_bytes())
+    con = sqlite3.connect(db)
+    con.execute("UPDATE segments SET presence = '{\"0:kv\": ' WHERE idx = 1")
+    con.commit()
+    con.close()
+    model = load_model(info["model"])
+    outcomes = []
+    for question in (info["question"], "And the bees?"):
+        s = ChatSession(damage.chat_options(Path(info["model"]), db, session=info["conversation"]), model=model)
+        try:
+            r = s.send(question)
+        finally:
+            s.close()
+        outcomes.append((r.lookup.outcome, dict(s.cache.metrics.lower_failures)))
+    assert outcomes[0][0] == "degraded" and outcomes[0][1], outcomes  # the damaged segment recomputed
+    assert outcomes[1] == ("hit", {}), outcomes  # and saved whole: the second resume reads it
