@@ -92,5 +92,18 @@ def open_db(path: str | Path | None = None, timeout_s: float = 5.0) -> sqlite_ut
     db.execute("PRAGMA journal_mode=WAL")
     db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
     db.execute("PRAGMA foreign_keys=ON")
-    migrations.apply(db)
+    for attempt in range(2):
+        try:
+            migrations.apply(db)
+            break
+        except sqlite3.OperationalError as e:
+            # a migration's tables exist already: another process opening a new file applied it
+            # first (the second attempt finds it applied), or the file's record of what was applied
+            # is damaged and names none of them
+            if "already exists" not in str(e):
+                raise
+            if attempt:
+                db.conn.close()
+                raise sqlite3.DatabaseError(f"{path}: its record of applied migrations "
+                                            f"({migrations.migrations_table}) is damaged: {e}") from None
     return db

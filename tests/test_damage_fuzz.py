@@ -118,3 +118,18 @@ def test_a_segment_row_with_damaged_presence_is_replaced_by_the_next_save(pristi
         outcomes.append((r.lookup.outcome, dict(s.cache.metrics.lower_failures)))
     assert outcomes[0][0] == "degraded" and outcomes[0][1], outcomes  # the damaged segment recomputed
     assert outcomes[1] == ("hit", {}), outcomes  # and saved whole: the second resume reads it
+
+
+def test_a_damaged_record_of_migrations_is_named_at_open(tmp_path):
+    # regression: with _sqlite_migrations emptied (a zeroed page), open_db ran the first migration
+    # again and the chat said only 'table "models" already exists'
+    from store.db import open_db
+
+    db = tmp_path / "m.db"
+    open_db(db).conn.close()
+    con = sqlite3.connect(db)
+    con.execute("DELETE FROM _sqlite_migrations")
+    con.commit()
+    con.close()
+    with pytest.raises(sqlite3.DatabaseError, match=r"record of applied migrations \(_sqlite_migrations\) is damaged"):
+        open_db(db)
