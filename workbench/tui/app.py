@@ -13,6 +13,7 @@ commands.
 from __future__ import annotations
 
 import dataclasses
+import sqlite3
 import threading
 from functools import partial
 from pathlib import Path
@@ -158,6 +159,9 @@ class ChatApp(App):
             return
         except (ValueError, KeyError, IndexError) as e:
             self.log_line(f"error: {e.args[0] if e.args else e}")
+            return
+        except sqlite3.Error as e:  # the workbench file failed under the command: said, not a crash
+            self.log_line(f"error: workbench database: {type(e).__name__}: {e}")
             return
         if quit_now:
             self.action_quit()
