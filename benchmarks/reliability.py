@@ -153,6 +153,10 @@ HEADER = re.compile(r"hcw chat · conversation ([0-9a-f]+) · branch ")
 MARKS = ("hcw chat · ", "warning: ", "error: ", "on new branch ", "on branch ", "saved ", "resumed ")
 USER_LINES = ("My name is Ada and I keep bees.", "What do bees eat?", "Tell me a long story about a river.",
               "Which flowers do they like best?", "What was my name?", "Count from one to twenty.")
+KILL_HIDDEN = 256
+MAX_NEW = 500  # tokens a turn: answers long enough (1-3 s) to be killed mid-way, drafts written
+RESUMES = 3  # chats one conversation takes (at most 4 turns each), so it stays inside the model's 8K positions
+DRAFT_DUE_S = 0.75  # a turn this old, streaming, has had a draft written (every 0.5 s from its start)
 COMMANDS = ("/branch", "/switch main", "/edit 1 My name is Bea.", "/save")
 
 
@@ -164,6 +168,8 @@ class Chat:
                                      env=env, cwd=ROOT)
         self.t0 = time.monotonic()
         self.out, self.err = bytearray(), bytearray()
+        self.sent_at: float | None = None
+        self.killed_at: float | None = None
         self.cond = threading.Condition()
         self.readers = [threading.Thread(target=self._read, args=(f, buf), daemon=True)
                         for f, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
@@ -187,7 +193,12 @@ class Chat:
             return self.cond.wait_for(lambda: pred(self.out.decode("utf-8", "replace")) or self.proc.poll() is not None,
                                       timeout)
 
+    def turn_age(self) -> float:
+        """Seconds from the last line sent to the kill: a turn's drafts are timed from its start."""
+        return (self.killed_at or time.monotonic()) - self.sent_at if self.sent_at is not None else 0.0
+
     def send(self, line: str) -> None:
+        self.sent_at = time.monotonic()
         try:
             self.proc.stdin.write(line.encode() + b"\n")
             self.proc.stdin.flush()
@@ -198,6 +209,7 @@ class Chat:
         at = time.monotonic() - self.t0
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
+            self.killed_at = time.monotonic()
         self.proc.wait()
         for r in self.readers:
             r.join(5)
@@ -226,7 +238,7 @@ def _drive(chat: Chat, lines: list[str], phase: str, target: int, rng: random.Ra
         sent += 1
         if phase == "answer" and k == target:
             chat.wait(lambda t: len(t) > mark, 60)
-            time.sleep(rng.uniform(0.0, 0.15))
+            time.sleep(rng.uniform(0.0, 1.6))  # drafts are written every 0.5 s: some kills before the first
             break
         answers = not line.startswith("/") or line.startswith("/edit")
         done = (lambda t: len(STATUS.findall(t)) + t.count("\nerror: ") > before) if answers else \
@@ -292,8 +304,12 @@ def _check(db: Path, scratch: Path) -> dict:
 
 
 def kills(args, root: Path, pristine: Path) -> str:
-    info = json.loads(pristine.read_text())
-    folder = info["model"]
+    from engine.model.random_init import hcw_hybrid_dict, write_random_model
+
+    # wider than the corruptions' model, so an answer lasts long enough (1-2 s) to be killed in
+    folder = str(root / "kill-model")
+    if not (Path(folder) / "config.json").exists():
+        write_random_model(folder, hcw_hybrid_dict(hidden=KILL_HIDDEN), seed=3)
     env = {**os.environ, "HCW_HOME": str(root / "home"), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}
     totals: Counter = Counter()
@@ -304,30 +320,31 @@ def kills(args, root: Path, pristine: Path) -> str:
 
     def lane(w: int) -> None:
         rng = random.Random(args.seed * 7919 + w)
-        generation, taken, convs, before = 0, 0, [], set()
+        generation, taken, convs, before = 0, 0, Counter(), set()
         while True:
             with lock:
                 i = next(todo, None)
             if i is None:
                 return
             if taken >= args.kills_per_file:
-                generation, taken, convs, before = generation + 1, 0, [], set()
+                generation, taken, convs, before = generation + 1, 0, Counter(), set()
             db = root / f"kills-{w}-{generation}.db"
-            conv = rng.choice(convs) if convs and rng.random() < 0.5 else None
-            lines = [rng.choice(USER_LINES) for _ in range(rng.randint(2, 5))]
+            short = sorted(c for c, n in convs.items() if n < RESUMES)
+            conv = rng.choice(short) if short and rng.random() < 0.5 else None
+            lines = [rng.choice(USER_LINES) for _ in range(rng.randint(2, 4))]
             if rng.random() < 0.5:
                 lines.insert(rng.randrange(1, len(lines) + 1), rng.choice(COMMANDS))
             phase = rng.choices(("load", "answer", "between", "any"), (2, 4, 2, 3))[0]
             cmd = [sys.executable, "-m", "workbench.cli", "chat", "--plain", "--db", str(db), "--model", folder,
-                   "--max-new-tokens", "48"] + (["--session", conv] if conv else [])
+                   "--max-new-tokens", str(MAX_NEW)] + (["--session", conv] if conv else [])
             chat = Chat(cmd, env)
             sent, _ = _drive(chat, lines, phase, rng.randrange(len(lines)), rng)
             taken += 1
             out, err = chat.out.decode("utf-8", "replace"), chat.err.decode("utf-8", "replace")
             seen = HEADER.search(out)
-            if seen and seen.group(1) not in convs:
-                convs.append(seen.group(1))
-            tally, notes, before = _after(db, root / f"check-{w}", out, err, lines[:sent], conv, before)
+            if seen:
+                convs[seen.group(1)] += 1
+            tally, notes, before = _after(db, root / f"check-{w}", out, err, lines[:sent], conv, before, chat)
             tally[f"aimed:{phase}"] += 1
             with lock:
                 totals.update(tally)
@@ -338,8 +355,9 @@ def kills(args, root: Path, pristine: Path) -> str:
                 if done % 10 == 0 or done == args.kills:
                     print(f"kills {done}/{args.kills} ({time.time() - t0:.0f} s): answered {totals['answered']}, "
                           f"lost {totals['lost']}, integrity bad {totals['integrity_bad']}, check findings "
-                          f"{totals['check_findings']}, streaming at kill {totals['streaming']}, found incomplete "
-                          f"{totals['incomplete_found']}", flush=True)
+                          f"{totals['check_findings']}, streaming at kill {totals['streaming']} (draft due "
+                          f"{totals['streaming_due']}), found incomplete {totals['incomplete_found']} (due "
+                          f"{totals['incomplete_found_due']})", flush=True)
 
     threads = [threading.Thread(target=lane, args=(w,), daemon=True) for w in range(max(1, args.workers))]
     for t in threads:
@@ -351,24 +369,26 @@ def kills(args, root: Path, pristine: Path) -> str:
     phases = ", ".join(f"{k[6:]} {v:,}" for k, v in sorted(t.items()) if k.startswith("phase:"))
     aimed = ", ".join(f"{k[6:]} {v:,}" for k, v in sorted(t.items()) if k.startswith("aimed:"))
     t["files"] = len(list(root.glob("kills-*.db")))
-    lines = [f"{t['kills']:,} SIGKILLs of `hcw chat --plain` (the random hcw_hybrid, up to 48 new tokens a turn) "
-             f"fed 2–6 lines each (messages, and /branch, /switch, /edit, /save), on {t['files']:,} workbench "
+    lines = [f"{t['kills']:,} SIGKILLs of `hcw chat --plain` (a random hcw_hybrid of width {KILL_HIDDEN}, up to {MAX_NEW} new "
+             f"tokens a turn) fed 2–5 lines each (messages, and /branch, /switch, /edit, /save), on {t['files']:,} workbench "
              f"files of up to {args.kills_per_file} kills each, {args.workers} chats at once; {t['resumed']:,} of "
              f"the chats continued a conversation with --session. Kills aimed at: {aimed} (any: a random moment up "
              f"to 3 s after the chat is ready). Where they landed, read from the output: {phases}.", "",
              "| kills | integrity_check not ok | Conversations.check() findings | answers with a printed status "
-             "line | of them not stored whole | partial answers streaming at the kill | found stored, labelled "
-             "incomplete | error lines, tracebacks |",
+             "line | of them not stored whole | partial answers streaming at the kill (of them ≥ "
+             f"{DRAFT_DUE_S:g} s into their turn) | found stored, labelled incomplete (of those ≥ {DRAFT_DUE_S:g} s) | error lines, "
+             "tracebacks |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|",
              f"| {t['kills']:,} | {t['integrity_bad']:,} | {t['check_findings']:,} | {t['answered']:,} | {t['lost']:,} "
-             f"| {t['streaming']:,} | {t['incomplete_found']:,} | {t['errors']:,}, {t['tracebacks']:,} |"]
+             f"| {t['streaming']:,} ({t['streaming_due']:,}) | {t['incomplete_found']:,} "
+             f"({t['incomplete_found_due']:,}) | {t['errors']:,}, {t['tracebacks']:,} |"]
     if problems:
         lines += ["", f"Problems ({len(problems):,}; the first 10):", ""] + [f"- {p[:200]}" for p in problems[:10]]
     return "\n".join(lines)
 
 
 def _after(db: Path, scratch: Path, out: str, err: str, sent: list[str], conv: str | None,
-           before: set[str]) -> tuple[Counter, list[str], set[str]]:
+           before: set[str], chat: Chat) -> tuple[Counter, list[str], set[str]]:
     """What one kill left: counts, problems, and the message ids the file holds now (a draft found
     must be new, not one an earlier kill left)."""
     tally: Counter = Counter(kills=1, resumed=int(conv is not None))
@@ -404,9 +424,14 @@ def _after(db: Path, scratch: Path, out: str, err: str, sent: list[str], conv: s
             tally["lost"] += 1
             notes.append(f"answered turn not stored whole: {printed[:60]!r}")
     if tail is not None and started:
+        due = chat.turn_age() >= DRAFT_DUE_S
+        found = any(_meta(r).get("incomplete") is True and r["id"] not in before for r in stored)
         tally["streaming"] += 1
-        if any(_meta(r).get("incomplete") is True and r["id"] not in before for r in stored):
-            tally["incomplete_found"] += 1
+        tally["streaming_due"] += due
+        tally["incomplete_found"] += found
+        tally["incomplete_found_due"] += found and due
+        if due and not found:
+            notes.append(f"killed {chat.turn_age():.2f} s into a streaming turn, no draft stored: {tail[:40]!r}")
     return tally, notes, {r["id"] for r in state["rows"]}
 
 

@@ -50,7 +50,8 @@ next question on a history; which history depends on what the damage is:
         only a refusal (or a warning) is right — a parent set to NULL or swapped must never be
         answered from a shortened or spliced history
     file kinds: either oracle above (a flipped bit may land in a message's text); a page SQLite
-        finds malformed may be refused at open
+        finds malformed may be refused at open, and damage SQLite reads without noticing (an index
+        page) may be refused naming the conversation, thread or message it made unreadable
 
 Every oracle answer is computed by `Oracle.answer` with a fresh `Engine` and the session's own
 template and sampling, and the pristine file checks it against a reuse="off" session and a cached
@@ -157,7 +158,10 @@ def make_pristine(root: Path, model=None) -> Path:
     other.close()
     if any(p.exists() for p in _sidecars(db)):
         raise RuntimeError(f"closing the sessions left a WAL beside {db}")
-    info = {"db": str(db), "model": str(folder), "conversation": conv, "other": other_conv,
+    con = sqlite3.connect(db)
+    threads = [tid for (tid,) in con.execute("SELECT id FROM threads ORDER BY rowid")]
+    con.close()
+    info = {"db": str(db), "model": str(folder), "conversation": conv, "other": other_conv, "threads": threads,
             "question": QUESTION, "pages": _pages(db), "page_size": _page_size(db), "oracle": []}
     (root / "pristine.json").write_text(json.dumps(info))
     oracle = Oracle(info, model)
@@ -173,10 +177,8 @@ def make_pristine(root: Path, model=None) -> Path:
             raise RuntimeError(f"reuse={reuse} answers {got!r}, the cold engine {expected!r}: no oracle")
         for p in (scratch, *_sidecars(scratch)):
             p.unlink(missing_ok=True)
-    con = sqlite3.connect(db)
-    for (tid,) in con.execute("SELECT id FROM threads"):
+    for tid in threads:
         oracle.answer(read_history(db, tid, strict=True))
-    con.close()
     info["oracle"] = [[list(map(list, h)), a] for h, a in oracle.memo.items()]
     (root / "pristine.json").write_text(json.dumps(info))
     return root / "pristine.json"
@@ -591,7 +593,9 @@ def _file_damage(db: Path, spec: Spec, rng: random.Random, info: dict) -> Damage
         detail = f"page {base // page + 1}: sectors {first}..{last} zeroed"
     db.write_bytes(bytes(data))
     hit = info["pages"].get(str(at // page + 1), "free") if spec.kind != "truncate_file" else "-"
-    return Damage(spec.kind, hit, None, detail, (hit,), "file")
+    # what SQLite reads without noticing surfaces as a row gone missing: naming its id names it
+    names = (hit, info["conversation"], info["other"], *info["threads"])
+    return Damage(spec.kind, hit, None, detail, names, "file")
 
 
 # ---- one case -------------------------------------------------------------------------------------
