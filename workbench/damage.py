@@ -219,6 +219,7 @@ class Oracle:
         self.model = model
         scratch = Path(info["db"]).with_name(f"oracle-{os.getpid()}.db")
         self.session = ChatSession(chat_options(Path(info["model"]), scratch, reuse="off"), model=model)
+        self.session.tier.close()  # only its template, tokenizer and sampling are used
         self.memo: dict[tuple, str] = {tuple(map(tuple, h)): a for h, a in info.get("oracle", [])}
 
     def answer(self, history: list[tuple[str, str]]) -> str:
