@@ -55,8 +55,24 @@ def _recorded(presence: str) -> tuple[tuple[int, str, int], ...]:
     return tuple(out)
 
 
+def _value(kind: str, raw: bytes | None):
+    """A value read as (typeof, CAST AS BLOB) as sqlite3 would give it, but text that is not UTF-8
+    as its bytes."""
+    if kind == "text":
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return raw
+    if kind == "integer":
+        return int(raw)
+    if kind == "real":
+        return float(raw)
+    return raw  # a blob, or None
+
+
 def _presence(raw) -> dict[str, int] | None:
-    """A stored presence column as {"layer:kind": parts}, or None when it is not one (damaged)."""
+    """A stored presence column (text or its bytes) as {"layer:kind": parts}, or None when it is
+    not one (damaged)."""
     try:
         presence = json.loads(raw)
     except (TypeError, ValueError):
@@ -114,7 +130,8 @@ class DiskTier:
         # one transaction, in plain SQL: sqlite-utils' own helpers commit on their way out, which
         # would let the row become visible before its blobs
         with conn:
-            old = conn.execute("SELECT presence FROM segments WHERE key = ?", [key]).fetchone()
+            # (as bytes: damaged text that is not UTF-8 must not fail the save that replaces it)
+            old = conn.execute("SELECT CAST(presence AS BLOB) FROM segments WHERE key = ?", [key]).fetchone()
             presence = _presence(old[0]) if old else {}
             if presence is None:  # a damaged row is replaced whole, or it would fail every save and load
                 conn.execute("DELETE FROM blobs WHERE segment = ?", [key])
@@ -164,9 +181,13 @@ class DiskTier:
         return out
 
     def segments(self) -> list[dict]:
-        """Rows of this layout, parents before children."""
-        return list(self.db.query("SELECT key, parent, idx, tokens FROM segments WHERE layout = ? ORDER BY idx",
-                                  [self.layout]))
+        """Rows of this layout, parents before children. Each value is read with its storage class,
+        so a damaged row's text that is not UTF-8 comes back as bytes (for the cache to name as
+        damage) instead of an error that fails every row."""
+        cols = ("key", "parent", "idx", "tokens")
+        read = ", ".join(f"typeof({c}), CAST({c} AS BLOB)" for c in cols)
+        rows = self.db.execute(f"SELECT {read} FROM segments WHERE layout = ? ORDER BY idx", [self.layout])
+        return [{c: _value(row[2 * i], row[2 * i + 1]) for i, c in enumerate(cols)} for row in rows.fetchall()]
 
     def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
         """(pieces, "") or (None, reason); every failure is counted by its kind."""

@@ -133,3 +133,32 @@ def test_a_damaged_record_of_migrations_is_named_at_open(tmp_path):
     con.close()
     with pytest.raises(sqlite3.DatabaseError, match=r"record of applied migrations \(_sqlite_migrations\) is damaged"):
         open_db(db)
+
+
+def test_a_segment_key_that_is_not_utf8_is_a_damaged_row_not_a_refused_file(pristine, tmp_path):
+    # regression: DiskTier.segments read every row in one query, and a key whose text was not
+    # UTF-8 (a flipped high bit) raised OperationalError out of PrefixCache construction: the
+    # chat refused the whole file for a damaged cache row
+    from engine import load_model
+    from workbench.session import ChatSession
+
+    info = json.loads(pristine.read_text())
+    db = tmp_path / "k.db"
+    db.write_bytes(Path(info["db"]).read_bytes())
+    con = sqlite3.connect(db)
+    (key,) = con.execute("SELECT key FROM segments WHERE idx = 2 ORDER BY rowid LIMIT 1").fetchone()
+    con.execute("UPDATE segments SET key = CAST(? AS TEXT) WHERE key = ?", [key[:5].encode() + b"\xb4" + key[6:].encode(),
+                                                                            key])
+    con.execute("UPDATE segments SET presence = CAST(x'7b22ff' AS TEXT) WHERE idx = 3")
+    con.commit()
+    con.close()
+    model = load_model(info["model"])
+    s = ChatSession(damage.chat_options(Path(info["model"]), db, session=info["conversation"]), model=model)
+    try:
+        answer = s.send(info["question"]).text
+        history = damage.read_history(db, s.thread.id, strict=True)[:-2]
+        warnings = s.warnings()
+    finally:
+        s.close()
+    assert answer == damage.Oracle(info, model).answer(history)
+    assert warnings and "damaged segment row" in warnings[0], warnings
