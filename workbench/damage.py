@@ -441,8 +441,9 @@ def _short(value) -> str:
 
 
 def _bitflip(old, rng: random.Random):
-    if isinstance(old, int):
-        return old ^ (1 << rng.randrange(64)) if old >= 0 else old ^ (1 << rng.randrange(63))
+    if isinstance(old, int):  # one bit of its 64-bit two's complement, as SQLite stores it
+        flipped = (old ^ (1 << rng.randrange(64))) & ((1 << 64) - 1)
+        return flipped - (1 << 64) if flipped >= 1 << 63 else flipped
     if isinstance(old, float):
         return -old
     if isinstance(old, str):
