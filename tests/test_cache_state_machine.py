@@ -5,6 +5,7 @@ oracle. CI runs >= 300 steps; HCW_LONG_TESTS=1 runs ten times more."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -35,6 +36,62 @@ def _model(tmp_root):
     return _MODEL["m"]
 
 
+NEAR_TIE = 1e-5  # of a row's largest |score|: fp32 rounding that depends on chunking moves a score ~1e-7 of it
+MAX_FLIPS_TRIED = 32
+
+
+def _one_near_tie_flipped(model, prompt: list[int], logits: torch.Tensor) -> bool:
+    """Whether a cold prefill with one of its near-tie indexer choices decided the other way gives
+    `logits` (to 1e-4). fp32 rounding depends on how a prompt was chunked (the gated delta rule's
+    chunk form, decode's recurrence), so a choice whose k-th and (k+1)-th scores nearly tie can go
+    either way (tests/test_chunk_invariance.py); a difference this explains is that, and any other
+    difference fails the oracle."""
+    from engine.model.v4_attention import Indexer
+
+    indexers = [m for m in model.modules() if isinstance(m, Indexer)]
+    near: list[tuple[Indexer, int]] = []
+
+    def recording(mod, select):
+        def wrapped(scores, positions, stable=True):
+            chosen = select(scores, positions, stable)
+            k = chosen.shape[-1]
+            if scores.shape[-1] > k:
+                top = scores[0].sort(dim=-1, descending=True, stable=True).values  # [T, E]
+                scale = torch.where(torch.isfinite(top), top.abs(), torch.zeros_like(top)).amax(-1)
+                gap = top[:, k - 1] - top[:, k]
+                hit = torch.isfinite(top[:, k]) & (gap > 0) & (gap <= NEAR_TIE * scale)
+                near.extend((mod, int(positions[t])) for t in hit.nonzero().flatten().tolist())
+            return chosen
+        return wrapped
+
+    def flipping(mod, select, at: int):
+        def wrapped(scores, positions, stable=True):
+            chosen = select(scores, positions, stable).clone()
+            k = chosen.shape[-1]
+            for t in (positions == at).nonzero().flatten().tolist():
+                order = scores[0, t].sort(descending=True, stable=True).indices
+                row = chosen[0, t]
+                row[row == order[k - 1]] = order[k] if order[k] < (at + 1) // mod.rate else -1
+            return chosen
+        return wrapped
+
+    def cold(wrap) -> torch.Tensor:
+        for mod in indexers:
+            mod.select = wrap(mod, type(mod).select.__get__(mod))
+        try:
+            return Engine(model).start(prompt).logits
+        finally:
+            for mod in indexers:
+                del mod.select
+
+    cold(recording)
+    for mod, at in near[:MAX_FLIPS_TRIED]:
+        flipped = cold(lambda m, select: flipping(m, select, at) if m is mod else select)
+        if (flipped - logits).abs().max().item() <= 1e-4:
+            return True
+    return False
+
+
 tokens = st.lists(st.integers(0, 60), min_size=1, max_size=40)
 
 
@@ -59,7 +116,8 @@ class CacheMachine(RuleBasedStateMachine):
         prompt = prompt[-MAX_LEN:]
         run = self.engine.start(prompt)
         cold = self.oracle.start(prompt)
-        assert (run.logits - cold.logits).abs().max().item() <= 1e-4, run.plan.summary()
+        diff = (run.logits - cold.logits).abs().max().item()
+        assert diff <= 1e-4 or _one_near_tie_flipped(self.model, prompt, run.logits), (diff, run.plan.summary())
         event = self.cache.events[-1]
         # never silent: a logical hit that was not fully used says why
         assert not (event.plan.degraded and event.plan.usable_tokens == 0 and event.plan.logical_tokens >= B
@@ -141,3 +199,40 @@ def test_torch_is_deterministic_enough_for_the_oracle():
     ids = list(range(50))
     a, b = Engine(model).start(ids).logits, Engine(model).start(ids).logits
     assert torch.equal(a, b)
+
+
+def test_the_oracle_accepts_a_difference_only_when_one_near_tie_flipped_explains_it(monkeypatch):
+    import tempfile
+    from pathlib import Path
+
+    from engine.model.v4_attention import Indexer
+
+    model = _model(Path(tempfile.gettempdir()))
+    prompt = torch.randint(0, 61, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    cold = Engine(model).start(prompt).logits
+    here = sys.modules[__name__]
+    monkeypatch.setattr(here, "NEAR_TIE", 1.0)  # every choice is a candidate here ...
+    monkeypatch.setattr(here, "MAX_FLIPS_TRIED", 1)  # ... and only the first is tried
+    # the cold run with one choice decided the other way: what a near-tie flip does
+    mod = next(m for m in model.modules() if isinstance(m, Indexer))
+    select = type(mod).select.__get__(mod)
+
+    def flipped(scores, positions, stable=True):
+        chosen = select(scores, positions, stable).clone()
+        k = chosen.shape[-1]
+        top = scores[0].sort(dim=-1, descending=True, stable=True).values
+        # the first choice the oracle's search tries: a row with a (k+1)-th entry that does not tie exactly
+        t = int((torch.isfinite(top[:, k]) & (top[:, k - 1] > top[:, k])).nonzero()[0])
+        order = scores[0, t].sort(descending=True, stable=True).indices
+        row = chosen[0, t]
+        row[row == order[k - 1]] = order[k] if order[k] < (int(positions[t]) + 1) // mod.rate else -1
+        return chosen
+
+    mod.select = flipped
+    try:
+        other = Engine(model).start(prompt).logits
+    finally:
+        del mod.select
+    assert (other - cold).abs().max().item() > 1e-4  # the flip shows in the logits
+    assert _one_near_tie_flipped(model, prompt, other)
+    assert not _one_near_tie_flipped(model, prompt, cold + 1e-3 * torch.randn_like(cold))
