@@ -162,3 +162,23 @@ def test_a_segment_key_that_is_not_utf8_is_a_damaged_row_not_a_refused_file(pris
         s.close()
     assert answer == damage.Oracle(info, model).answer(history)
     assert warnings and "damaged segment row" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("column", ["created", "model"])
+def test_verify_names_a_conversation_row_the_chat_cannot_read(pristine, tmp_path, column):
+    # found by benchmarks/reliability.py (3 of 10,000 cases): a conversations row whose text is not
+    # UTF-8 makes the chat refuse the conversation, while `hcw inspect --verify` said all was sound
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    info = json.loads(pristine.read_text())
+    db = tmp_path / "v.db"
+    db.write_bytes(Path(info["db"]).read_bytes())
+    con = sqlite3.connect(db)
+    con.execute(f"UPDATE conversations SET {column} = CAST(x'32303236b3' AS TEXT) WHERE id = ?", [info["conversation"]])
+    con.commit()
+    con.close()
+    res = CliRunner().invoke(app, ["inspect", str(db), "--verify"])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert column in res.output and info["conversation"] in res.output, res.output
