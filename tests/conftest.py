@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +10,9 @@ import torch
 # reads this when a kernel is defined, so it is set before any test imports one
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# the weights-digest cache of this run's own, never the user's ~/.cache (subprocesses inherit it)
+os.environ.setdefault("HCW_DIGEST_CACHE", os.path.join(tempfile.mkdtemp(prefix="hcw-digests-"), "weights.json"))
 
 # two cores on the CI machines: more threads only adds contention
 torch.set_num_threads(min(2, os.cpu_count() or 1))

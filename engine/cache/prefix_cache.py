@@ -112,6 +112,8 @@ def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
     h = hashlib.blake2b(json.dumps(desc, sort_keys=True, default=str).encode(), digest_size=16)
     weights = getattr(model, "weights_digest", None)
     h.update(b"files:" + weights if weights is not None else b"tensors:" + tensors_digest(model))
+    # and what the loader made of the files: a loader change that lays them out anew is another layout
+    h.update(json.dumps([[k, str(v.dtype), list(v.shape)] for k, v in sorted(model.state_dict().items())]).encode())
     return h.digest()
 
 

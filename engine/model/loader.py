@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import torch
+import xxhash
 from torch import nn
 from safetensors import SafetensorError, safe_open
 
@@ -22,6 +23,8 @@ from engine.config import ConfigError, ModelConfig, parse_dtype
 from engine.model.fused import FusedLinear
 from engine.model.hybrid import HybridModel
 from engine.model.weights_digest import files_digest, header_digest
+
+LOADER_VERSION = 1  # bump when load_model turns the same files into different tensors (part of the digest)
 
 # parts of multimodal / multi-token-prediction checkpoints that the language model never reads
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
@@ -59,7 +62,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     try:
         with torch.device("meta"):
             model = HybridModel(cfg)
-    except (RuntimeError, ValueError, TypeError, ZeroDivisionError) as e:  # sizes no model can have
+    except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:  # sizes no model can have
         raise ConfigError(f"{folder / 'config.json'} describes no model hcw can build ({type(e).__name__}: {e})") from None
     files = _weight_files(folder)
     state = _to_our_names(cfg, _read_safetensors(files))  # (no second reference: each original is freed when replaced)
@@ -72,7 +75,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # every byte of the files, so that another model never reuses this one's cached states
-    model.weights_digest = files_digest(files)
+    model.weights_digest = xxhash.xxh3_128_digest(f"loader {LOADER_VERSION}".encode() + files_digest(files))
     # an inference engine's weights never need gradients; training builds its own model
     return model.eval().requires_grad_(False)
 

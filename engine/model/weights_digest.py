@@ -21,7 +21,6 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 
@@ -66,16 +65,22 @@ def files_digest(paths: Iterable[Path]) -> bytes:
     cache = _read_cache()
     h = xxhash.xxh3_128()
     changed = False
+    digests = []
     for path in sorted(Path(p).resolve() for p in paths):
         st = path.stat()
         key = str(path)
-        stamp = [st.st_size, st.st_mtime_ns, header_digest(path)]
+        # ctime too: a file rewritten in place and its mtime set back (cp -p, rsync -a) has a new one
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, header_digest(path)]
         entry = cache.get(key)
-        if not (isinstance(entry, list) and len(entry) == 4 and entry[:3] == stamp and isinstance(entry[3], str)):
+        if not (isinstance(entry, list) and len(entry) == len(stamp) + 1 and entry[:-1] == stamp
+                and isinstance(entry[-1], str)):
             entry = [*stamp, file_digest(path)]
             cache[key] = entry
             changed = True
-        h.update(path.name.encode() + b"\0" + entry[3].encode())
+        digests.append(entry[-1])
+    # the files' contents alone: a copy, or a link under another name, is the same model
+    for digest in sorted(digests):
+        h.update(digest.encode())
     if changed:
         _write_cache(cache)
     return h.digest()
@@ -87,10 +92,8 @@ def tensors_digest(model: torch.nn.Module) -> bytes:
     for name, t in sorted(model.state_dict().items()):
         t = t.detach()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        flat = t.contiguous().reshape(-1).cpu()
-        if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: the same bytes read as int16
-            flat = flat.view(torch.int16)
-        h.update(np.ascontiguousarray(flat.numpy()).data)
+        flat = t.contiguous().reshape(-1).cpu().view(torch.uint8)  # any dtype's bytes (numpy lacks some)
+        h.update(flat.numpy().data)
     return h.digest()
 
 
