@@ -193,7 +193,7 @@ class ModelConfig:
             return cls._from_raw(raw)
         except ConfigError:
             raise
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ArithmeticError) as e:
             raise ConfigError(f"config.json has a bad value ({type(e).__name__}: {e})") from None
 
     @classmethod

@@ -436,7 +436,9 @@ class Conversations:
             return new
         # the same digest must be the same message, never reused unchecked
         if (old.conversation, old.parent, old.role, old.content) != (conversation, parent, role, content):
-            raise RuntimeError(f"message id {new.id} collides with a different message")
+            raise ConversationDamaged(f"conversation {conversation}: message {new.id} is stored with other "
+                                      "content than its id says",
+                                      conversation=conversation, at=new.id)
         if old.meta.get("incomplete") is True and new.meta.get("incomplete") is not True:
             # a draft's text, now written as a whole message: it is complete
             self.db.execute("UPDATE messages SET tokens = ?, meta = ? WHERE id = ?",

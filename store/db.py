@@ -100,7 +100,7 @@ def open_db(path: str | Path | None = None, timeout_s: float = 5.0) -> sqlite_ut
             # a migration's tables exist already: another process opening a new file applied it
             # first (the second attempt finds it applied), or the file's record of what was applied
             # is damaged and names none of them
-            if "already exists" not in str(e):
+            if "already exists" not in str(e) and "duplicate column" not in str(e):
                 raise
             if attempt:
                 db.conn.close()

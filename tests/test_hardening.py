@@ -99,20 +99,30 @@ def test_a_model_built_in_memory_hashes_every_byte_of_its_tensors(folder_a):
 
 
 def test_the_file_digest_is_computed_once_and_again_when_the_file_changes(folder_a, tmp_path, monkeypatch):
+    import os
+
     from engine.model import weights_digest
 
     calls = []
     real = weights_digest.file_digest
     monkeypatch.setattr(weights_digest, "file_digest", lambda p: calls.append(p) or real(p))
-    first = load_model(folder_a, device="cpu").weights_digest
-    assert load_model(folder_a, device="cpu").weights_digest == first and len(calls) == 1
+    folder = tmp_path / "m"
+    shutil.copytree(folder_a, folder)
+    first = load_model(folder, device="cpu").weights_digest
+    assert load_model(folder, device="cpu").weights_digest == first and len(calls) == 1
+    # a copy elsewhere is the same model
+    assert load_model(folder_a, device="cpu").weights_digest == first and len(calls) == 2
     # a damaged cache file is not trusted: rehashed, same digest
     weights_digest.cache_path().write_text("[1, 2")
-    assert load_model(folder_a, device="cpu").weights_digest == first and len(calls) == 2
-    entry = next(iter(json.loads(weights_digest.cache_path().read_text()).values()))
-    entry[3] = "0" * 32  # a cache that lies about the digest is only believed while the file is unchanged
-    copy = _tuned_copy(folder_a, tmp_path / "c", [1])
-    assert load_model(copy, device="cpu").weights_digest != first
+    assert load_model(folder, device="cpu").weights_digest == first and len(calls) == 3
+    # the file rewritten in place, same size and header, its mtime set back: hashed again
+    weights = folder / "model.safetensors"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01  # a bit of the last tensor
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert load_model(folder, device="cpu").weights_digest != first and len(calls) == 4
 
 
 # ---- damaged segment rows -------------------------------------------------------------------
@@ -171,10 +181,17 @@ def _broken_folder(folder_a, tmp_path, how: str):
         weights.write_bytes((10**12).to_bytes(8, "little") + weights.read_bytes()[8:])
     elif how == "empty":
         weights.write_bytes(b"")
+    elif how == "config-zero-heads":  # one flipped bit: "2" -> "0"
+        raw = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**raw, "num_key_value_heads": 0, "linear_num_key_heads": 0}))
+    elif how == "config-infinite":
+        raw = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**raw, "head_dim": float("inf")}))
     return dest
 
 
-BROKEN = ["config-array", "config-wrong-type", "truncated", "truncated-body", "huge-header", "empty"]
+BROKEN = ["config-array", "config-wrong-type", "config-zero-heads", "config-infinite", "truncated", "truncated-body",
+          "huge-header", "empty"]
 
 
 @pytest.mark.parametrize("how", BROKEN)
@@ -185,12 +202,13 @@ def test_a_damaged_model_folder_is_a_named_error(folder_a, tmp_path, how):
 
 
 @pytest.mark.parametrize("how", BROKEN)
-@pytest.mark.parametrize("command", ["generate", "drill", "chat"])
+@pytest.mark.parametrize("command", ["generate", "drill", "chat", "replay"])
 def test_every_command_says_one_line_for_a_damaged_model_folder(folder_a, tmp_path, how, command):
     folder = _broken_folder(folder_a, tmp_path, how)
     args = {"generate": ["generate", "--model", str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"],
             "drill": ["drill", "--model", str(folder)],
-            "chat": ["chat", "--model", str(folder), "--db", str(tmp_path / "c.db"), "--plain"]}[command]
+            "chat": ["chat", "--model", str(folder), "--db", str(tmp_path / "c.db"), "--plain"],
+            "replay": ["replay", "sample_sessions/09_exact_policy.jsonl", "--model", str(folder)]}[command]
     res = CliRunner().invoke(app, args, input="hello\n")
     assert res.exit_code != 0
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
@@ -310,3 +328,80 @@ def test_a_chat_killed_mid_answer_leaves_the_partial_answer_labelled_incomplete(
     answer = convs.path(thread.id)[-1]
     assert answer.meta["incomplete"] and len(answer.content) > 0
     conn.close()
+
+
+def test_inspect_gc_ends_on_a_segment_row_with_a_null_key(tmp_path):
+    from store.db import open_db
+
+    db = tmp_path / "g.db"
+    open_db(db).conn.close()
+    conn = sqlite3.connect(db)
+    conn.execute("INSERT INTO segments (key, parent, idx, layout, tokens) VALUES (NULL, 'ab', 1, 'x', x'00')")
+    conn.commit()
+    conn.close()
+    res = CliRunner().invoke(app, ["inspect", str(db), "--gc"])  # looped forever before
+    assert "gc: removed 1 unreachable segment(s)" in res.stdout, res.output
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT count(*) FROM segments").fetchone()[0] == 0
+    conn.close()
+
+
+def _forked_session(folder, db):
+    from workbench.session import ChatOptions, ChatSession
+
+    s = ChatSession(ChatOptions(model=folder, db=db, block_size=B, max_new_tokens=3))
+    s.send("first question")
+    s.fork(1, "side")
+    s.send("a side question")
+    return s
+
+
+def test_switching_to_a_damaged_branch_is_refused_and_the_current_branch_stays(folder_a, tmp_path):
+    from store.conversations import ConversationDamaged
+
+    s = _forked_session(folder_a, tmp_path / "s.db")
+    side_tip = s.path()[-1].id
+    s.switch("main")
+    conn = sqlite3.connect(tmp_path / "s.db")
+    conn.execute("PRAGMA foreign_keys=OFF")
+    conn.execute("UPDATE messages SET parent = 'f00d' WHERE id = ?", [side_tip])
+    conn.commit()
+    conn.close()
+    with pytest.raises(ConversationDamaged, match="side"):
+        s.switch("side")
+    assert s.thread.name == "main" and s.send("still fine").text is not None
+    s.close()
+
+
+def test_a_draft_that_cannot_be_saved_does_not_cost_the_answer(folder_a, tmp_path, monkeypatch):
+    from workbench import session as session_mod
+    from workbench.session import ChatOptions, ChatSession
+
+    monkeypatch.setattr(session_mod, "DRAFT_INTERVAL_S", 0.0)
+    s = ChatSession(ChatOptions(model=folder_a, db=tmp_path / "f.db", block_size=B, max_new_tokens=6, ignore_eos=True))
+    real = s.store.append
+
+    def locked(*args, **kwargs):
+        if kwargs.get("meta", {}).get("incomplete"):
+            raise sqlite3.OperationalError("database is locked")
+        return real(*args, **kwargs)
+
+    s.store.append = locked
+    r = s.send("hello")
+    assert len(r.token_ids) == 6 and s.path()[-1].content == r.text
+    s.close()
+
+
+def test_an_answer_left_incomplete_by_a_kill_can_be_answered_again(folder_a, tmp_path):
+    from workbench.session import ChatOptions, ChatSession
+
+    s = ChatSession(ChatOptions(model=folder_a, db=tmp_path / "r.db", block_size=B, max_new_tokens=3))
+    s.send("question")
+    # what a kill mid-answer leaves: the tip an incomplete draft under the user message
+    user = s.path()[-2]
+    s.store.set_tip(s.thread.id, user.id)
+    s.store.append(s.thread.id, "assistant", "half an ans", meta={"incomplete": True})
+    r = s.regenerate()
+    path = s.path()
+    assert path[-2].id == user.id and path[-1].content == r.text and not path[-1].meta.get("incomplete")
+    s.close()

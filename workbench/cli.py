@@ -82,7 +82,8 @@ def replay(
 ) -> None:
     """Run scripted chat sessions (turns, branches, edits, restarts, faults) and check their
     expectations; exits 1 when one fails."""
-    from engine.config import ConfigError
+    import sqlite3
+
     from workbench.replay import ScriptError, parse, replay_file
 
     try:
@@ -93,8 +94,10 @@ def replay(
             if not as_json:
                 typer.echo(f"{f}:")
             reports.append(replay_file(f, db, model, None if as_json else typer.echo))
-    except (ScriptError, ConfigError, RuntimeError) as e:  # RuntimeError: a restarted process failed
+    except (ScriptError, ValueError, RuntimeError) as e:  # ConfigError, WeightsError; RuntimeError: a restart failed
         _fail(str(e))
+    except (sqlite3.DatabaseError, OSError) as e:
+        _fail(f"cannot open the workbench database {db or '(a temporary one)'}: {e}")
     failed = sum(r["failed"] for r in reports)
     if as_json:
         typer.echo(json.dumps({"files": reports, "failed": failed}))

@@ -346,13 +346,15 @@ def _gc(db) -> int:
     """Remove segments no chain from a first segment reaches (their parent is gone), repeatedly."""
     removed = 0
     while True:
-        orphans = [k for (k,) in db.execute(
-            "SELECT s.key FROM segments s WHERE s.idx > 0 AND NOT EXISTS "
-            "(SELECT 1 FROM segments p WHERE p.key = s.parent)").fetchall()]
+        # by rowid: a damaged key (NULL, say) matches nothing by `key = ?`, and would be found again forever
+        orphans = db.execute(
+            "SELECT s.rowid, s.key FROM segments s WHERE s.idx > 0 AND NOT EXISTS "
+            "(SELECT 1 FROM segments p WHERE p.key = s.parent)").fetchall()
         if not orphans:
             return removed
         with db.conn:
-            for key in orphans:
-                db.execute("DELETE FROM blobs WHERE segment = ?", [key])
-                db.execute("DELETE FROM segments WHERE key = ?", [key])
+            for rowid, key in orphans:
+                if key is not None:
+                    db.execute("DELETE FROM blobs WHERE segment = ?", [key])
+                db.execute("DELETE FROM segments WHERE rowid = ?", [rowid])
         removed += len(orphans)

@@ -20,6 +20,7 @@ database unless --db is given. Exit status: 0 all expectations met, 1 some faile
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -137,6 +138,9 @@ def run_steps(session: ChatSession, steps: list[tuple[int, dict]], start: int = 
             detail, turn = _apply(session, op, step)
         except (ValueError, KeyError, IndexError) as e:
             results.append(StepResult(no, op, False, "", None, [e.args[0] if e.args else str(e)]))
+            continue
+        except sqlite3.Error as e:  # the workbench file failed under the step: a failed step, said
+            results.append(StepResult(no, op, False, "", None, [f"workbench database: {type(e).__name__}: {e}"]))
             continue
         failures = check(session, turn, step.get("expect", {})) if turn is not None else []
         results.append(StepResult(no, op, not failures, detail, turn.as_dict() if turn else None, failures))

@@ -9,6 +9,9 @@ segments (store.tier): `--db` picks it, default under $HCW_HOME.
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,6 +150,7 @@ class _Draft:
         self.session = session
         self.id: str | None = None
         self.last = time.monotonic()
+        self.failures = 0
 
     def tick(self, token_ids: list[int]) -> None:
         now = time.monotonic()
@@ -155,12 +159,22 @@ class _Draft:
         self.last = now
         s = self.session
         text = s.tok.decode([t for t in token_ids if t not in s.tok.eos_ids])
-        self.id = s.store.append(s.thread.id, "assistant", text, tokens=len(token_ids),
-                                 meta={"incomplete": True}, replaces=self.id).id
+        try:
+            self.id = s.store.append(s.thread.id, "assistant", text, tokens=len(token_ids),
+                                     meta={"incomplete": True}, replaces=self.id).id
+        except sqlite3.Error as e:  # a copy for a crash (the file busy or full): the answer streams on
+            self.failures += 1
+            if self.failures == 1:  # stderr: never into a piped answer on stdout
+                print(f"warning: the streaming answer could not be saved ({type(e).__name__}: {e}); "
+                      "it is saved when the turn ends", file=sys.stderr, flush=True)
 
     def discard(self) -> None:
+        """Best effort, on a failure path: the error being raised is the one the user must see."""
         if self.id is not None:
-            self.session.store.discard_draft(self.session.thread.id, self.id)
+            try:
+                self.session.store.discard_draft(self.session.thread.id, self.id)
+            except (sqlite3.Error, ValueError, KeyError):
+                pass  # left as an incomplete message on no path; `hcw inspect` shows it
             self.id = None
 
 
@@ -241,14 +255,19 @@ class ChatSession:
                           budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse,
                           replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance)
         self.tier = WriteBehind(opts.db, layout_fingerprint(self.model, cfg))  # spills never block decoding
-        self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
-        self.engine = Engine(self.model, cache=self.cache)
-        self.store = Conversations(self.tier.db)
-        self.stats = SessionStats()
-        if opts.session:
-            self.resume(opts.session)
-        else:
-            self.conversation, self.thread = self.store.create(model=self.tier.layout, system=opts.system)
+        try:
+            self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
+            self.engine = Engine(self.model, cache=self.cache)
+            self.store = Conversations(self.tier.db)
+            self.stats = SessionStats()
+            if opts.session:
+                self.resume(opts.session)
+            else:
+                self.conversation, self.thread = self.store.create(model=self.tier.layout, system=opts.system)
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error, OSError):  # the error being raised is the one to see
+                self.tier.close()  # its writer thread and connections
+            raise
 
     # ---- the conversation ----------------------------------------------------------------
     def path(self) -> list[Message]:
@@ -276,8 +295,12 @@ class ChatSession:
             raise
 
     def regenerate(self, on_text=None, should_stop=None) -> TurnResult:
-        """Answer the thread's last user message again (after an edit or a switch)."""
+        """Answer the thread's last user message again (after an edit or a switch, or in place
+        of an answer a killed process left incomplete)."""
         path = self.path()
+        if len(path) >= 2 and path[-1].role == "assistant" and path[-1].meta.get("incomplete"):
+            self.store.discard_draft(self.thread.id, path[-1].id)
+            path = path[:-1]
         if not path or path[-1].role != "user":
             raise ValueError("the thread does not end with a user message")
         return self._answer(on_text, should_stop)
@@ -321,8 +344,12 @@ class ChatSession:
                 "tokens_per_s": round(tps, 2), "outcome": lookup.outcome if lookup else "off",
                 "cached_tokens": lookup.plan.usable_tokens if lookup else 0,
                 "exact": lookup.plan.exact if lookup else True}
-        message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta,
-                                    replaces=draft.id)
+        try:
+            message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta,
+                                        replaces=draft.id)
+        except BaseException:
+            draft.discard()
+            raise
         saved = self.tier.saved - saved_before  # the engine saved (and flushed) at the request's end, cancelled too
         self._count(lookup, ttft, tps)
         budget = (self.cache.validator.policy.tokens(lookup.plan.usable_tokens) or 0) \
@@ -383,12 +410,14 @@ class ChatSession:
         return self.thread
 
     def switch(self, thread: str) -> Thread:
-        """Make another branch (id, id prefix or name) of this conversation current."""
+        """Make another branch (id, id prefix or name) of this conversation current; a damaged one
+        is refused (ConversationDamaged) and the current branch stays."""
         threads = self.store.threads(self.conversation.id)
-        named = [t for t in threads if t.name == thread or t.id.startswith(thread)]
+        named = [t for t in threads if t.name == thread or (isinstance(t.id, str) and t.id.startswith(thread))]
         if len(named) != 1:
             known = ", ".join(f"{t.name} ({t.id})" for t in threads)
             raise KeyError(f"{'no' if not named else 'more than one'} branch {thread!r}; branches: {known}")
+        self.store.path(named[0].id)
         self.thread = named[0]
         return self.thread
 
