@@ -3,11 +3,12 @@ models apart, so one never reuses another's cached states.
 
     files_digest(paths)     xxh3-128 over each safetensors file's whole bytes (header and every
                             tensor), remembered per file in a small cache keyed by (path, size,
-                            mtime, header digest), so a model hashed once starts at a stat's cost
+                            mtime, ctime, inode, device, header digest), so a model hashed once
+                            starts at a stat's cost
     tensors_digest(model)   a model built in memory (tests, training): xxh3-128 over every
                             parameter's and buffer's bytes in logical order
 
-A file changed in place keeps its digest only if its size, mtime and header all stay the same.
+A file changed in place is hashed again: its ctime moves even when its mtime is set back.
 The cache lives in `$HCW_DIGEST_CACHE`, else `$XDG_CACHE_HOME/hcw/weights.json`, else
 `~/.cache/hcw/weights.json`; a damaged or unwritable cache is recomputed, never trusted.
 """
