@@ -66,7 +66,8 @@ def test_the_watchdog_reports_a_hang_and_goes_on_with_a_new_worker(pristine):
     # the first case waits for the worker to start; the second cannot finish in 1 ms: a "hang", the
     # worker killed; the third starts a new one
     results = damage.run_cases(pristine, [spec, spec, spec], workers=1, timeout_s=0.001)
-    assert [r["outcome"] for r in results] == ["correct", "hang", "correct"], results
+    outcomes = [r["outcome"] for r in results]
+    assert outcomes[1] == "hang" and not any(damage.failed(r) for r in (results[0], results[2])), results
 
 
 def test_a_segment_row_whose_index_is_not_an_integer_is_a_miss(pristine, tmp_path):
