@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -340,6 +341,38 @@ class Conversations:
         another conversation, cycles, rows that are not messages (role, content, tokens, meta, an id
         that is not their digest), and each thread whose path is damaged (its tip missing
         included) or whose fork point is missing. [] when sound. Every walk is bounded."""
+        undecodable = self._undecodable(conversation_id)
+        try:
+            return undecodable + self._check(conversation_id)
+        except sqlite3.OperationalError:
+            if undecodable:  # the rows the rest would read: named, and the rest needs them readable
+                return undecodable
+            raise
+
+    def _undecodable(self, conversation_id: str | None) -> list[str]:
+        """Text cells that are not UTF-8: sqlite3 cannot hand such a row over, so the chat cannot
+        open its conversation. One line per cell."""
+        findings = []
+        for table, owner in (("conversations", "id"), ("threads", "conversation"), ("messages", "conversation")):
+            columns = [c[1] for c in self.db.execute(f"PRAGMA table_info({table})")]
+            for col in columns:
+                query = (f"SELECT rowid, CAST(id AS BLOB), CAST({owner} AS BLOB), CAST({col} AS BLOB) FROM {table} "
+                         f"WHERE typeof({col}) = 'text'")
+                for rowid, id, conv, value in self.db.execute(query):
+                    try:
+                        value.decode("utf-8")
+                        continue
+                    except UnicodeDecodeError:
+                        pass
+                    conv = conv.decode("utf-8", "replace") if conv is not None else None
+                    if conversation_id is not None and conv != conversation_id:
+                        continue
+                    name = id.decode("utf-8", "replace") if id is not None else f"rowid {rowid}"
+                    findings.append(f"conversation {conv}: {table} row {name}: its {col} is not UTF-8 text "
+                                    "(the chat cannot read the row)")
+        return findings
+
+    def _check(self, conversation_id: str | None) -> list[str]:
         where, args = ("WHERE conversation = ?", [conversation_id]) if conversation_id is not None else ("", [])
         if conversation_id is not None:
             self.conversation(conversation_id)
