@@ -70,15 +70,20 @@ def test_the_watchdog_reports_a_hang_and_goes_on_with_a_new_worker(pristine):
     assert outcomes[1] == "hang" and not any(damage.failed(r) for r in (results[0], results[2])), results
 
 
+def _copy(pristine, db: Path) -> tuple[dict, Path]:
+    """The fixture's chat and a copy of its workbench file at `db`, to damage."""
+    info = json.loads(pristine.read_text())
+    db.write_bytes(Path(info["db"]).read_bytes())
+    return info, db
+
+
 def test_a_segment_row_whose_index_is_not_an_integer_is_a_miss(pristine, tmp_path):
     # regression: WriteBehind.segments sorted rows by idx in Python, and NULL or a blob raised
     # TypeError out of PrefixCache construction, so the chat could not open at all
     from engine import load_model
     from workbench.session import ChatSession
 
-    info = json.loads(pristine.read_text())
-    db = tmp_path / "c.db"
-    db.write_bytes(Path(info["db"]).read_bytes())
+    info, db = _copy(pristine, tmp_path / "c.db")
     con = sqlite3.connect(db)
     con.execute("UPDATE segments SET idx = x'03' WHERE rowid = 2")
     con.execute("UPDATE segments SET idx = 'seven' WHERE rowid = 3")
@@ -101,9 +106,7 @@ def test_a_segment_row_with_damaged_presence_is_replaced_by_the_next_save(pristi
     from engine import load_model
     from workbench.session import ChatSession
 
-    info = json.loads(pristine.read_text())
-    db = tmp_path / "p.db"
-    db.write_bytes(Path(info["db"]).read_bytes())
+    info, db = _copy(pristine, tmp_path / "p.db")
     con = sqlite3.connect(db)
     con.execute("UPDATE segments SET presence = '{\"0:kv\": ' WHERE idx = 1")
     con.commit()
@@ -143,9 +146,7 @@ def test_a_segment_key_that_is_not_utf8_is_a_damaged_row_not_a_refused_file(pris
     from engine import load_model
     from workbench.session import ChatSession
 
-    info = json.loads(pristine.read_text())
-    db = tmp_path / "k.db"
-    db.write_bytes(Path(info["db"]).read_bytes())
+    info, db = _copy(pristine, tmp_path / "k.db")
     con = sqlite3.connect(db)
     (key,) = con.execute("SELECT key FROM segments WHERE idx = 2 ORDER BY rowid LIMIT 1").fetchone()
     con.execute("UPDATE segments SET key = CAST(? AS TEXT) WHERE key = ?", [key[:5].encode() + b"\xb4" + key[6:].encode(),
@@ -173,9 +174,7 @@ def test_verify_names_a_conversation_row_the_chat_cannot_read(pristine, tmp_path
 
     from workbench.cli import app
 
-    info = json.loads(pristine.read_text())
-    db = tmp_path / "v.db"
-    db.write_bytes(Path(info["db"]).read_bytes())
+    info, db = _copy(pristine, tmp_path / "v.db")
     con = sqlite3.connect(db)
     con.execute(f"UPDATE conversations SET {column} = CAST(x'32303236b3' AS TEXT) WHERE id = ?", [info["conversation"]])
     con.commit()
