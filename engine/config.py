@@ -373,6 +373,10 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     prefill_chunk_size: int = 2048
+    # bit-exact: prefill and Tail-Replay take one token a step, the path decode takes, so no row's
+    # arithmetic depends on how a prompt was chunked or where a cache hit ended (docs/ARCHITECTURE.md,
+    # "What exact means"); prefill then runs at decode's speed
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_size < 1:

@@ -75,9 +75,15 @@ class Generation:
 class Engine:
     def __init__(self, model: HybridModel, config: EngineConfig | None = None, cache: PrefixCache | None = None):
         self.model = model
-        self.config = config or EngineConfig(dtype=model.dtype, device=str(model.device))
+        deterministic = cache is not None and cache.config.deterministic
+        self.config = config or EngineConfig(dtype=model.dtype, device=str(model.device), deterministic=deterministic)
+        if cache is not None and cache.config.deterministic != self.config.deterministic:
+            # its states were made (and are fingerprinted) under one arithmetic; reuse under the other is not bit-exact
+            raise ValueError("the engine and its cache must agree on deterministic (bit-exact) arithmetic")
         self.cache = cache
-        self.static = static_enabled()  # HCW_STATIC, read once: decode is the hot path
+        # HCW_STATIC, read once: decode is the hot path; its fused buffers are not the arithmetic the
+        # deterministic prefill's single-token steps take, so bit-exact mode decodes as usual
+        self.static = static_enabled() and not self.config.deterministic
 
     def metrics(self) -> dict:
         return self.cache.metrics.as_dict() if self.cache is not None else {}
@@ -109,7 +115,7 @@ class Engine:
             raise PromptError("nothing to prefill")
         if state.seq_len + len(ids) > self.context_limit:
             raise PromptError(f"{state.seq_len + len(ids)} tokens would pass the context limit of {self.context_limit}")
-        chunk = chunk_size or self.config.prefill_chunk_size
+        chunk = self._chunk(chunk_size)
         tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.model.device)
         logits = None
         lo = 0
@@ -132,7 +138,7 @@ class Engine:
         restarts at restarts[i] (default: at `start`) from zero, or from its `seed` (an
         unsketched int8 sketch of the state there) when it has one; the tokens before that
         rebuild its conv state."""
-        chunk = chunk_size or self.config.prefill_chunk_size
+        chunk = self._chunk(chunk_size)
         tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.model.device)
         restarts = restarts or {}
         end = start + len(tokens)
@@ -146,6 +152,10 @@ class Engine:
             for a in range(lo, hi, chunk):
                 b = min(a + chunk, hi)
                 self.model(tokens[a - start:b - start], state, replay_from=a, rebuild_only=True)
+
+    def _chunk(self, asked: int | None) -> int:
+        """Tokens a forward pass takes: one in deterministic mode, whatever was asked."""
+        return 1 if self.config.deterministic else asked or self.config.prefill_chunk_size
 
     @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from engine import load_model
+from engine import EngineConfig, load_model
 from engine.cache.prefix_cache import CacheConfig, PrefixCache
 from engine.engine import Engine, SamplingParams
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
@@ -97,6 +97,8 @@ tokens = st.lists(st.integers(0, 60), min_size=1, max_size=40)
 
 class CacheMachine(RuleBasedStateMachine):
     conversations = Bundle("conversations")
+    deterministic = False  # True: bit-exact engines (one token a step), and the oracle asks for equal bits
+    max_len = MAX_LEN
 
     def __init__(self):
         super().__init__()
@@ -106,18 +108,22 @@ class CacheMachine(RuleBasedStateMachine):
         self.model = _model(Path(tempfile.gettempdir()))
         self.cache = PrefixCache(self.model, CacheConfig(block_size=B, checkpoint_every=2, budget_bytes=64 << 20,
                                                          host_budget_bytes=1 << 20,
-                                                         group_budgets=(("recurrent", 256 << 10),)))
+                                                         group_budgets=(("recurrent", 256 << 10),),
+                                                         deterministic=self.deterministic))
         self.engine = Engine(self.model, cache=self.cache)
-        self.oracle = Engine(self.model)
+        self.oracle = Engine(self.model, EngineConfig(deterministic=self.deterministic))
         self.history: dict[int, list[int]] = {}
         self.checked = 0
 
     def _run(self, cid: int, prompt: list[int]) -> None:
-        prompt = prompt[-MAX_LEN:]
+        prompt = prompt[-self.max_len:]
         run = self.engine.start(prompt)
         cold = self.oracle.start(prompt)
         diff = (run.logits - cold.logits).abs().max().item()
-        assert diff <= 1e-4 or _one_near_tie_flipped(self.model, prompt, run.logits), (diff, run.plan.summary())
+        if self.deterministic:
+            assert torch.equal(run.logits, cold.logits), (diff, run.plan.summary())
+        else:
+            assert diff <= 1e-4 or _one_near_tie_flipped(self.model, prompt, run.logits), (diff, run.plan.summary())
         event = self.cache.events[-1]
         # never silent: a logical hit that was not fully used says why
         assert not (event.plan.degraded and event.plan.usable_tokens == 0 and event.plan.logical_tokens >= B
@@ -188,6 +194,22 @@ def test_cache_matches_the_no_cache_oracle_through_every_interleaving():
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     # invariants run once after initialisation and after every rule
     assert len(STEPS) >= (3000 if LONG else 300)
+
+
+class DeterministicMachine(CacheMachine):
+    """The same machine on bit-exact engines: every hit gives a cold prefill's logits to the bit,
+    near-tie or not (EngineConfig.deterministic). Prompts are shorter: prefill runs at decode's speed."""
+
+    deterministic = True
+    max_len = 120
+
+
+def test_deterministic_reuse_equals_the_oracle_bit_for_bit_through_every_interleaving():
+    STEPS.clear()
+    run_state_machine_as_test(DeterministicMachine, settings=settings(
+        max_examples=100 if LONG else 10, stateful_step_count=40 if LONG else 25, deadline=None, derandomize=not LONG,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+    assert len(STEPS) >= (1000 if LONG else 60)
 
 
 def test_torch_is_deterministic_enough_for_the_oracle():

@@ -23,11 +23,13 @@ import torch
 import torch.nn.functional as F
 
 import hf_reference as ref
-from engine import load_model
-from engine.engine import Engine
+from engine import EngineConfig, load_model
+from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.engine import Engine, SamplingParams
 from engine.model.mlp import Router, SparseMoE, V4MoE
 from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_random_model
 from engine.model.v4_attention import Indexer
+from store.tier import DiskTier
 
 LENGTH = 240
 SPREAD = (3, 4, 5, 7, 8, 13, 16, 17, 31, 32, 33, 63, 64, 65, 70)  # 1 (decode steps) and 2 cost the most
@@ -193,3 +195,127 @@ def test_chunking_changes_a_choice_only_at_a_near_tie(name, tmp_path):
         choices.close()
     if name != "qwen3-next-moe":  # softmax routing scores do not tie exactly
         assert ties > 0, "no exact tie at the k-th place: the tie rule was not exercised"
+
+
+# ---- bit-exact mode (EngineConfig.deterministic): one token a step, so nothing depends on chunking ----
+def _pieces(engine: Engine, choices: Choices, ids: list[int], piece: int):
+    """`ids` prefilled as the caller's pieces of `piece` tokens, each asked in chunks of `piece`."""
+    choices.clear()
+    state = engine.new_state()
+    for lo in range(0, len(ids), piece):
+        logits = engine.prefill(ids[lo:lo + piece], state, chunk_size=piece)
+    return logits, {site: list(rows) for site, rows in choices.rows.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_deterministic_prefill_makes_every_choice_on_the_same_bits_however_it_is_chunked(name, tmp_path):
+    make, vocab, _ = MODELS[name]
+    model = make(tmp_path)
+    engine = Engine(model, EngineConfig(deterministic=True))
+    choices = Choices(model)
+    try:
+        ids = _prompt(0, vocab)
+        one_logits, one = _pieces(engine, choices, ids, LENGTH)
+        assert one and all(len(rows) == LENGTH for rows in one.values())
+        for piece in SPREAD:
+            logits, chunked = _pieces(engine, choices, ids, piece)
+            assert torch.equal(logits, one_logits), f"pieces of {piece}"
+            for site in one:
+                for t, ((s0, c0), (s1, c1)) in enumerate(zip(one[site], chunked[site])):
+                    assert c0 == c1, f"pieces of {piece}, {site}, position {t}: {sorted(c0)} / {sorted(c1)}"
+                    assert (s0 is None and s1 is None) or torch.equal(s0, s1), (piece, site, t)
+    finally:
+        choices.close()
+
+
+def _det_cache(model, lower=None):
+    return PrefixCache(model, CacheConfig(block_size=8, checkpoint_every=2, checkpoint_tail=0, deterministic=True),
+                       lower=lower)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_deterministic_reuse_gives_a_cold_prefills_logits_bit_for_bit(name, tmp_path):
+    """Wherever the cached prefix ended (a turn's end, a decoded token, a segment boundary), from
+    the device tier, from disk in a new cache, and after an exact Tail-Replay of the GDN states."""
+    make, vocab, _ = MODELS[name]
+    model = make(tmp_path)
+    det = EngineConfig(deterministic=True)
+    ids = _prompt(2, vocab)[:150]
+    tier = DiskTier(tmp_path / "det.db", layout_fingerprint(model, _det_cache(model).config))
+    used = []
+    for cut in (1, 7, 8, 37, 64, 70, 99):
+        engine = Engine(model, cache=_det_cache(model, lower=tier))
+        gen = engine.generate(ids[:cut], SamplingParams(max_new_tokens=3, greedy=True))
+        prompt = ids[:cut] + gen.token_ids + ids[cut:]
+        cold = Engine(model, det).start(prompt).logits
+        for label, eng in (("device", engine), ("disk", Engine(model, cache=_det_cache(model, lower=tier)))):
+            run = eng.start(prompt)
+            run.finish()
+            assert torch.equal(run.logits, cold), (cut, label, run.plan.summary())
+            used.append(run.plan.usable_tokens)
+    assert max(used) >= 96  # hits, not misses
+    tier.close()
+    if name != "deepseek-v4":  # no GDN snapshot kept but at the prompt's end: rebuilt by a replay from zero
+        cache = PrefixCache(model, CacheConfig(block_size=16, checkpoint_tail=0, checkpoint_every=100,
+                                               checkpoint_branch_point=False, reuse="approximate",
+                                               replay_budget=10_000, deterministic=True))
+        engine = Engine(model, cache=cache)
+        engine.start(ids[:150]).finish()
+        second = ids[:120] + _prompt(3, vocab)[:20]
+        run = engine.start(second)
+        run.finish()
+        assert run.plan.replay_from == 0 and run.plan.exact and run.plan.usable_tokens >= 112, run.plan.summary()
+        assert torch.equal(run.logits, Engine(model, det).start(second).logits)
+
+
+def test_a_deterministic_cache_and_a_batched_one_never_share_states(tmp_path):
+    model = _mixed(tmp_path)
+    batched, det = CacheConfig(block_size=8), CacheConfig(block_size=8, deterministic=True)
+    assert layout_fingerprint(model, batched) != layout_fingerprint(model, det)
+    with pytest.raises(ValueError, match="deterministic"):
+        Engine(model, EngineConfig(deterministic=False), cache=PrefixCache(model, det))
+    assert Engine(model, cache=PrefixCache(model, det)).config.deterministic  # taken from the cache
+
+
+def test_hcw_generate_deterministic_reports_it_and_decodes_as_the_engine_does(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    folder = write_random_model(tmp_path / "byte", qwen3_5_text_dict(hidden=64, layers=4), seed=1)
+    ids = _prompt(4, 200)[:90]
+    res = CliRunner().invoke(app, ["generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, ids)),
+                                   "--max-new-tokens", "6", "--greedy", "--deterministic", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    from engine.tokenizer import load_tokenizer
+
+    model = load_model(folder, device="cpu")
+    stops = load_tokenizer(folder, model.config.extra).eos_ids
+    want = Engine(model, EngineConfig(deterministic=True)).generate(
+        ids, SamplingParams(max_new_tokens=6, greedy=True, stop_ids=stops))
+    assert report["deterministic"] is True and report["token_ids"] == want.token_ids
+
+
+def test_hcw_chat_deterministic_reuses_only_its_own_states(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    db = tmp_path / "c.db"
+
+    def turn(*extra):
+        res = CliRunner().invoke(app, ["chat", "--db", str(db), "--plain", "--json", "--max-new-tokens", "3", *extra],
+                                 input="hello there\n")
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout.splitlines()[0])
+
+    assert turn("--deterministic")["cached_tokens"] == 0
+    again = turn("--deterministic")  # a new conversation: the system prompt's segment is cached
+    assert again["cached_tokens"] >= 64 and again["exact"]
+    assert turn()["cached_tokens"] == 0  # batched arithmetic: another fingerprint, nothing shared
+    assert turn()["cached_tokens"] >= 64

@@ -18,6 +18,10 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+DETERMINISTIC_HELP = ("bit-exact: prefill one token a step, so the logits never depend on how a prompt was "
+                      "chunked or where a cache hit ended (prefill runs at decode's speed)")
+
+
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", help="model folder (config.json + safetensors)"),
@@ -31,6 +35,7 @@ def generate(
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16"),
     device: str | None = typer.Option(None, "--device", help="cpu | cuda (default: cuda when present)"),
     chunk_size: int = typer.Option(2048, "--chunk-size", min=1, help="prefill chunk size"),
+    deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
 ) -> None:
     """Generate a continuation of a prompt, streaming tokens as they come."""
@@ -46,7 +51,7 @@ def generate(
             _fail(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}")
     req = GenerateRequest(model=model, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
                           greedy=greedy, temperature=temperature, top_p=top_p, seed=seed, dtype=dtype,
-                          device=device, chunk_size=chunk_size, as_json=as_json)
+                          device=device, chunk_size=chunk_size, as_json=as_json, deterministic=deterministic)
     try:
         run_generate(req, out=sys.stdout)
     except ValueError as e:
@@ -197,6 +202,7 @@ def chat(
     sample: bool = typer.Option(False, "--sample", help="temperature/top-p sampling instead of greedy"),
     plain: bool = typer.Option(False, "--plain", help="line-based REPL (also used when stdin is not a terminal)"),
     as_json: bool = typer.Option(False, "--json", help="plain mode: one JSON object per answer or command"),
+    deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
 ) -> None:
     """Chat with a model: the Textual workbench on a terminal, a line-based REPL otherwise."""
     from engine.config import ConfigError
@@ -209,7 +215,7 @@ def chat(
         opts = ChatOptions(model=model, db=db, session=session, reuse=reuse, max_new_tokens=max_new_tokens,
                            greedy=not sample, replay_budget=(budget := parse_budget(replay_budget)),
                            replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
-                           sketch_every=gdn_sketches)
+                           sketch_every=gdn_sketches, deterministic=deterministic)
         line_based = plain or as_json or not sys.stdin.isatty()
         # the workbench generates in a process of its own, so that drawing never holds up decoding
         chat_session = ChatSession(opts) if line_based else RemoteSession(opts)

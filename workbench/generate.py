@@ -27,6 +27,7 @@ class GenerateRequest:
     device: str | None
     chunk_size: int
     as_json: bool
+    deterministic: bool = False  # bit-exact: prefill one token a step (EngineConfig.deterministic)
 
 
 def run_generate(req: GenerateRequest, out: TextIO) -> dict:
@@ -41,7 +42,7 @@ def run_generate(req: GenerateRequest, out: TextIO) -> dict:
     params = SamplingParams(max_new_tokens=req.max_new_tokens, greedy=req.greedy, temperature=req.temperature,
                             top_p=req.top_p, seed=req.seed, stop_ids=tok.eos_ids if tok else ())
     engine = Engine(model, EngineConfig(dtype=parse_dtype(req.dtype), device=str(model.device),
-                                        prefill_chunk_size=req.chunk_size))
+                                        prefill_chunk_size=req.chunk_size, deterministic=req.deterministic))
     stream = None
     decoder = StreamDecoder(tok) if tok and not req.as_json else None
     if not req.as_json:
@@ -55,6 +56,7 @@ def run_generate(req: GenerateRequest, out: TextIO) -> dict:
         "token_ids": result.token_ids,
         "text": tok.decode(result.token_ids) if tok else None,
         "stop_reason": result.stop_reason,
+        "deterministic": req.deterministic,
         "timings": result.timings.as_dict(),
     }
     if req.as_json:

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine import load_model
+from engine import EngineConfig, load_model
 from engine.model.loader import resolve_model
 from engine.cache.faults import DRILLS
 from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
@@ -124,6 +124,7 @@ class ChatOptions:
     device_budget_mb: int = 1024
     system: str | None = "You are a helpful assistant. Remember what the user tells you."
     decode_threads: int | None = None  # torch intra-op threads while decoding (None: all); the TUI leaves the UI a core
+    deterministic: bool = False  # bit-exact: prefill one token a step; the file keeps such states apart
 
     def __post_init__(self) -> None:
         if self.reuse not in REUSE_POLICIES:
@@ -253,11 +254,13 @@ class ChatSession:
         cfg = CacheConfig(block_size=opts.block_size, checkpoint_every=opts.checkpoint_every,
                           checkpoint_tail=opts.checkpoint_tail, sketch_every=opts.sketch_every,
                           budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse,
-                          replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance)
+                          replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance,
+                          deterministic=opts.deterministic)
         self.tier = WriteBehind(opts.db, layout_fingerprint(self.model, cfg))  # spills never block decoding
         try:
             self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
-            self.engine = Engine(self.model, cache=self.cache)
+            self.engine = Engine(self.model, EngineConfig(dtype=self.model.dtype, device=str(self.model.device),
+                                                          deterministic=opts.deterministic), cache=self.cache)
             self.store = Conversations(self.tier.db)
             self.stats = SessionStats()
             if opts.session:
@@ -368,7 +371,7 @@ class ChatSession:
         path = self.path()
         if not path or path[-1].role != "assistant":
             raise ValueError("the thread does not end with an answer")
-        gen = Engine(self.model).generate(self.prompt_ids(path[:-1]), self.sampling())
+        gen = Engine(self.model, self.engine.config).generate(self.prompt_ids(path[:-1]), self.sampling())
         return self.tok.decode([t for t in gen.token_ids if t not in self.tok.eos_ids])
 
     def _count(self, lookup: CacheLookup | None, ttft: float, tps: float) -> None:

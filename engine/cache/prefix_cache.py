@@ -73,6 +73,9 @@ class CacheConfig:
     lower_deadline_s: float = 1.0  # a lower-tier (disk) read must arrive within this ...
     lower_deadline_per_token_s: float = 1e-4  # ... plus this per prompt token
     shadow_fraction: float = 0.0  # share of hits recomputed cold and compared (shadow verification)
+    # states made by a deterministic engine (EngineConfig.deterministic: one token a step): a file
+    # of them has its own fingerprint, so batched and bit-exact states never mix
+    deterministic: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -109,6 +112,8 @@ def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
     mc = model.config
     desc = {"layout_version": LAYOUT_VERSION, "block_size": cfg.block_size, "dtype": str(model.dtype),
             "config": {k: v for k, v in asdict(mc).items() if k != "extra"}}
+    if cfg.deterministic:  # only then: the fingerprints of existing files stay as they were
+        desc["arithmetic"] = "one token a step"
     h = hashlib.blake2b(json.dumps(desc, sort_keys=True, default=str).encode(), digest_size=16)
     weights = getattr(model, "weights_digest", None)
     h.update(b"files:" + weights if weights is not None else b"tensors:" + tensors_digest(model))
