@@ -10,7 +10,13 @@ thread, and an answer written while it streams (meta {"incomplete": true}) is re
     system ── user ── assistant ─┬─ user ── assistant      <- main
                                  └─ user' ── assistant'    <- edit-1 (forked_from: that assistant)
 
-The API takes whole ids; `resolve` turns a unique prefix that a person typed into one.
+The API takes whole ids; `resolve` turns a unique prefix that a person typed into one. `recent`
+lists conversations as `hcw conversations` shows them (a title from the first user message, the
+model's name, counts), newest first, optionally only those whose text matches a query.
+
+A conversation's model name lives in a table of its own, `conversation_meta` (conversation id ->
+a JSON object, {"model_name": ...}), made by the first `create` that has one: older files and
+older readers of the conversations table are left as they are.
 
 The rows may be damaged (a file edited by hand, written with foreign keys off, restored from a
 broken copy): every walk is bounded, `path` raises `ConversationDamaged` naming the damage and what
@@ -26,7 +32,7 @@ import secrets
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import sqlite_utils
 
@@ -37,6 +43,7 @@ _TABLES = {"conversation": "conversations", "thread": "threads", "message": "mes
 _HEX = frozenset("0123456789abcdef")
 _COLUMNS = ("id", "conversation", "parent", "role", "content", "tokens", "created", "meta")
 _PARENT = object()  # discard_draft's default tip: the draft's parent
+_META = "conversation_meta"
 
 
 class ConversationDamaged(ValueError):
@@ -57,6 +64,7 @@ class Conversation:
     model: str | None  # the model's fingerprint, hex
     created: str
     updated: str
+    model_name: str | None = None  # what the model was called (a built-in's name, a folder's)
 
 
 @dataclass(frozen=True)
@@ -102,14 +110,22 @@ class Conversations:
 
     def __init__(self, db: sqlite_utils.Database):
         self.db = db
+        # recent(query=): case-insensitive beyond ASCII (SQLite's lower() and LIKE fold ASCII only)
+        db.conn.create_function("hcw_contains", 2, _contains, deterministic=True)
 
     def create(self, title: str | None = None, model: str | None = None,
-               system: str | None = None) -> tuple[Conversation, Thread]:
-        """A new conversation with one thread, "main", holding the system message if one is given."""
+               system: str | None = None, *, model_name: str | None = None) -> tuple[Conversation, Thread]:
+        """A new conversation with one thread, "main", holding the system message if one is given.
+        `model`: the model's fingerprint; `model_name`: what a person calls it (kept in
+        conversation_meta)."""
         with self._writing():
             stamp = now()
             conv = Conversation(secrets.token_hex(6), title, model, stamp, stamp)
-            self._insert("conversations", asdict(conv))
+            self._insert("conversations", {k: v for k, v in asdict(conv).items() if k != "model_name"})
+            if model_name is not None:
+                self.db.execute(f"CREATE TABLE IF NOT EXISTS {_META} (conversation TEXT PRIMARY KEY, meta TEXT)")
+                self.db.execute(f"INSERT INTO {_META} (conversation, meta) VALUES (?, ?)",
+                                [conv.id, json.dumps({"model_name": model_name})])
             thread = self._new_thread(conv.id, "main", None, None)
             if system is not None:
                 self.append(thread.id, "system", system)
@@ -199,7 +215,7 @@ class Conversations:
         return self.thread(thread_id)
 
     def conversation(self, id: str) -> Conversation:
-        return Conversation(**self._row("conversation", id))
+        return self._conversation(self._row("conversation", id))
 
     def thread(self, id: str) -> Thread:
         return Thread(**self._row("thread", id))
@@ -209,8 +225,42 @@ class Conversations:
 
     def conversations(self) -> list[Conversation]:
         """Most recently updated first."""
-        return [Conversation(**r) for r in self.db.query("SELECT * FROM conversations ORDER BY updated DESC, "
-                                                         "rowid DESC")]
+        return [self._conversation(r) for r in self.db.query("SELECT * FROM conversations ORDER BY updated DESC, "
+                                                             "rowid DESC")]
+
+    def recent(self, limit: int = 20, query: str | None = None) -> list[dict]:
+        """The `limit` most recently updated conversations, newest first, each {"id", "title",
+        "model", "branches", "messages", "updated"}: title the stored one, else the first user
+        message (shortened, one line); model its name, else the first 12 digits of its
+        fingerprint (conversations made before names were kept), else None. With `query`: only
+        those with a message (or title) holding that text, case-insensitively. Damaged rows are
+        listed as they read (text that is not UTF-8 with replacement characters, a value of
+        another type as its text), never an error: `check` names what is wrong."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        where, args = "", []
+        if query is not None:
+            if not query.strip():
+                raise ValueError("an empty query")
+            where = ("WHERE hcw_contains(CAST(c.title AS BLOB), ?) OR EXISTS (SELECT 1 FROM messages m WHERE "
+                     "m.conversation = c.id AND hcw_contains(CAST(m.content AS BLOB), ?))")
+            args = [query, query]
+        names = (f"(SELECT CAST(x.meta AS BLOB) FROM {_META} x WHERE x.conversation = c.id)" if self._has_meta()
+                 else "NULL")
+        rows = self.db.execute(
+            "SELECT CAST(c.id AS BLOB), CAST(c.title AS BLOB), CAST(c.model AS BLOB), CAST(c.updated AS BLOB), "
+            "(SELECT CAST(m.content AS BLOB) FROM messages m WHERE m.conversation = c.id AND m.role = 'user' "
+            "ORDER BY m.rowid LIMIT 1), (SELECT count(*) FROM messages m WHERE m.conversation = c.id), "
+            f"(SELECT count(*) FROM threads t WHERE t.conversation = c.id), {names} FROM conversations c {where} "
+            "ORDER BY c.updated DESC, c.rowid DESC LIMIT ?", [*args, limit]).fetchall()
+        out = []
+        for id, title, model, updated, first, n_messages, n_threads, meta in rows:
+            title, model, first = _text(title), _text(model), _text(first)
+            name = _meta(_text(meta))[0].get("model_name")
+            out.append({"id": _text(id), "title": shorten(title or first) if (title or first) else None,
+                        "model": name if isinstance(name, str) else model[:12] if model else None,
+                        "branches": n_threads, "messages": n_messages, "updated": _text(updated)})
+        return out
 
     def threads(self, conversation_id: str) -> list[Thread]:
         """In the order they were made."""
@@ -448,6 +498,21 @@ class Conversations:
             self.db.rollback()
             raise
 
+    def _has_meta(self) -> bool:
+        return self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                               [_META]).fetchone() is not None
+
+    def _conversation(self, row: dict) -> Conversation:
+        """A conversations row as a Conversation, its model name added (None when unknown or unreadable)."""
+        name = None
+        if self._has_meta():
+            found = self.db.execute(f"SELECT CAST(meta AS BLOB) FROM {_META} WHERE conversation = ?",
+                                    [row["id"]]).fetchone()
+            name = _meta(_text(found[0]))[0].get("model_name") if found else None
+        known = {f.name for f in fields(Conversation)} - {"model_name"}
+        return Conversation(**{k: v for k, v in row.items() if k in known},
+                            model_name=name if isinstance(name, str) else None)
+
     def _row(self, kind: str, id: str) -> dict:
         row = next(self.db.query(f"SELECT * FROM {_TABLES[kind]} WHERE id = ?", [id]), None)
         if row is None:
@@ -620,6 +685,23 @@ def _addressed(row: dict) -> bool:
     """Whether a buildable row's id is the digest of what it says."""
     return (isinstance(row["conversation"], str) and isinstance(row["parent"], str | None)
             and row["id"] == message_digest(row["conversation"], row["parent"], row["role"], row["content"]))
+
+
+def shorten(text: str, width: int = 60) -> str:
+    """One line of at most `width` characters: whitespace runs become one space, a cut ends in "…"."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+def _text(raw: bytes | None) -> str | None:
+    """A cell read as a BLOB (so that text which is not UTF-8 cannot stop a listing) as text."""
+    return raw.decode("utf-8", "replace") if raw is not None else None
+
+
+def _contains(haystack: bytes | None, needle: str | None) -> bool:
+    if haystack is None or needle is None:
+        return False
+    return needle.casefold() in haystack.decode("utf-8", "replace").casefold()
 
 
 def _also(damaged: str | None, why: str) -> str:
