@@ -26,6 +26,10 @@ class PromptError(ValueError):
     """A prompt the engine refuses: empty, out-of-vocabulary ids, or past the context limit."""
 
 
+class Cancelled(Exception):
+    """A prefill stopped between two chunks because its `should_stop` said so."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64
@@ -65,7 +69,7 @@ class Timings:
 @dataclass
 class Generation:
     token_ids: list[int]
-    stop_reason: str  # "length" | "stop" | "context"
+    stop_reason: str  # "length" | "stop" | "context" | "cancelled"
     timings: Timings = field(default_factory=Timings)
     state: ModelState | None = field(default=None, repr=False)  # describes prompt + token_ids[:-1]
     plan: ReusePlan | None = None  # the cache's plan for the prompt, when a cache is in use
@@ -108,9 +112,12 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
                 on_stop: Callable[[ModelState], None] | None = None,
-                next_stop: Callable[[int], int] | None = None) -> torch.Tensor:
+                next_stop: Callable[[int], int] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run `ids` through the model in chunks, advancing `state`; return the last token's logits.
-        With `next_stop`, chunks also end at each position it names, where `on_stop` is called."""
+        With `next_stop`, chunks also end at each position it names, where `on_stop` is called.
+        `should_stop` is asked before every chunk after the first: True raises Cancelled (the
+        state then covers the chunks run so far)."""
         if len(ids) == 0:
             raise PromptError("nothing to prefill")
         if state.seq_len + len(ids) > self.context_limit:
@@ -120,6 +127,8 @@ class Engine:
         logits = None
         lo = 0
         while lo < len(tokens):
+            if lo and should_stop is not None and should_stop():
+                raise Cancelled
             hi = min(lo + chunk, len(tokens))
             stop = next_stop(state.seq_len) if next_stop is not None else None
             if stop is not None:
@@ -180,8 +189,10 @@ class Engine:
             state.extra["static"] = decoder
         return decoder or None
 
-    def start(self, prompt_ids: Sequence[int], state: ModelState | None = None) -> Started:
-        """Check the prompt, reuse what the cache can prove usable, prefill the rest."""
+    def start(self, prompt_ids: Sequence[int], state: ModelState | None = None,
+              should_stop: Callable[[], bool] | None = None) -> Started:
+        """Check the prompt, reuse what the cache can prove usable, prefill the rest; Cancelled
+        (from `should_stop`, asked between chunks) leaves the boundaries captured so far cached."""
         self.check_prompt(prompt_ids)
         fed = list(prompt_ids)
         writer, plan = None, None
@@ -191,8 +202,25 @@ class Engine:
         state = state or self.new_state()
         started = Started(None, state, fed, writer, plan)
         if writer is None:
-            started.logits = self.prefill(fed[state.seq_len:], state)
+            started.logits = self.prefill(fed[state.seq_len:], state, should_stop=should_stop)
             return started
+        try:
+            self._recover_and_prefill(started, should_stop)
+        except BaseException:
+            writer.finish()  # the admission ticket back; what was captured stays cached
+            raise
+        if plan.usable_tokens and plan.exact and self.cache.should_shadow():  # approximate plans differ by design
+            cold = Engine(self.model, self.config).start(fed)
+            if not self.cache.metrics.record_shadow((started.logits - cold.logits).abs().max().item()):
+                # the hit disagreed with a cold prefill: answer from the cold state, forget the records
+                for key in plan.keys:
+                    self.cache.table.remove(key)
+                    self.cache.index.remove(key)
+                started.logits, started.state = cold.logits, cold.state
+        return started
+
+    def _recover_and_prefill(self, started: Started, should_stop: Callable[[], bool] | None) -> None:
+        fed, state, writer, plan = started.fed, started.state, started.writer, started.plan
         stops = writer.next_stop
         if plan.replay_from is not None:
             t0 = time.perf_counter()
@@ -204,30 +232,30 @@ class Engine:
         if state.seq_len < recover_to:
             # the recovery work, timed on its own: recompute what a missing state kind cost us
             t0 = time.perf_counter()
-            self.prefill(fed[state.seq_len:recover_to], state, on_stop=started.capture, next_stop=stops)
+            self.prefill(fed[state.seq_len:recover_to], state, on_stop=started.capture, next_stop=stops,
+                         should_stop=should_stop)
             self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
-        started.logits = self.prefill(fed[state.seq_len:], state, on_stop=started.capture, next_stop=stops)
-        if plan.usable_tokens and plan.exact and self.cache.should_shadow():  # approximate plans differ by design
-            cold = Engine(self.model, self.config).start(fed)
-            if not self.cache.metrics.record_shadow((started.logits - cold.logits).abs().max().item()):
-                # the hit disagreed with a cold prefill: answer from the cold state, forget the records
-                for key in plan.keys:
-                    self.cache.table.remove(key)
-                    self.cache.index.remove(key)
-                started.logits, started.state = cold.logits, cold.state
-        return started
+        started.logits = self.prefill(fed[state.seq_len:], state, on_stop=started.capture, next_stop=stops,
+                                      should_stop=should_stop)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, state: ModelState | None = None,
-                 decode_threads: int | None = None) -> Generation:
+                 decode_threads: int | None = None, should_stop: Callable[[], bool] | None = None) -> Generation:
         """Prefill (through the cache) and sample up to params.max_new_tokens; `decode_threads`
-        caps torch's intra-op threads for the decode steps (the prefill keeps them all)."""
+        caps torch's intra-op threads for the decode steps (the prefill keeps them all).
+        `should_stop`, asked between prefill chunks and after every token, ends the generation
+        early with stop_reason "cancelled" (a prefill cancelled midway: no tokens, no state)."""
         stops = set() if params.ignore_eos else set(params.stop_ids) | set(self.model.config.eos_token_ids)
         sampler = Sampler(params, self.model.device)
         timings = Timings(prompt_n=len(prompt_ids))
 
         t0 = time.perf_counter()
-        run = self.start(prompt_ids, state)
+        try:
+            run = self.start(prompt_ids, state, should_stop=should_stop)
+        except Cancelled:
+            timings.prompt_ms = 1000 * (time.perf_counter() - t0)
+            plan = self.cache.events[-1].plan if self.cache is not None and self.cache.events else None
+            return Generation([], "cancelled", timings, None, plan)
         state, logits = run.state, run.logits
         prompt_logits = logits
         timings.cache_n = run.plan.usable_tokens if run.plan is not None else 0
@@ -245,6 +273,9 @@ class Engine:
                         on_token(token)
                     if token in stops:
                         reason = "stop"
+                        break
+                    if should_stop is not None and should_stop():
+                        reason = "cancelled"
                         break
                     if len(out) == params.max_new_tokens:
                         break

@@ -10,6 +10,7 @@ segments (store.tier): `--db` picks it, default under $HCW_HOME.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sqlite3
 import sys
 import time
@@ -24,7 +25,7 @@ from engine import EngineConfig, load_model
 from engine.model.loader import resolve_model
 from engine.cache.faults import DRILLS
 from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
-from engine.engine import Engine, Generation, SamplingParams
+from engine.engine import Engine, Generation, SamplingParams, Timings
 from engine.events import CacheLookup
 from engine.tokenizer import StreamDecoder, load_tokenizer
 from store.conversations import Conversations, Message, Thread
@@ -125,6 +126,8 @@ class ChatOptions:
     system: str | None = "You are a helpful assistant. Remember what the user tells you."
     decode_threads: int | None = None  # torch intra-op threads while decoding (None: all); the TUI leaves the UI a core
     deterministic: bool = False  # bit-exact: prefill one token a step; the file keeps such states apart
+    continue_last: bool = False  # resume the most recently updated conversation (`hcw chat -c`)
+    prefill_chunk_size: int = 512  # a cancel (Esc) is heard between two chunks of a prefill
 
     def __post_init__(self) -> None:
         if self.reuse not in REUSE_POLICIES:
@@ -139,6 +142,24 @@ class ChatOptions:
             raise ValueError("max_new_tokens must be >= 1")
         if self.decode_threads is not None and self.decode_threads < 1:
             raise ValueError("decode_threads must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.continue_last and self.session:
+            raise ValueError("give --session or --continue, not both")
+        if self.prefill_chunk_size < 1:
+            raise ValueError("prefill_chunk_size must be >= 1")
+
+
+# what `/set NAME VALUE` may change in a session (ChatSession.set_option), and how
+SETTABLE = {
+    "temperature": "sampling temperature, > 0 (turns sampling on)",
+    "top_p": "nucleus sampling's probability mass, in (0, 1] (turns sampling on)",
+    "seed": "the sampler's seed: an integer, or none",
+    "max_new_tokens": "tokens an answer may take, >= 1",
+    "sample": "on: temperature / top-p sampling; off: greedy",
+}
 
 
 class _Draft:
@@ -205,6 +226,14 @@ class TurnResult:
     message: Message | None  # the assistant message appended to the tree
     saved_segments: int = 0
     replay_budget_tokens: int = 0  # what the policy allowed this resume to replay (approximate only)
+    conversation: str | None = None
+    branch: str | None = None
+    model: str | None = None  # the model's name (its folder's, or the built-in's)
+    timings: Timings | None = None  # llama.cpp's names: prompt_n, prompt_ms, predicted_n, predicted_ms, cache_n
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stop_reason == "cancelled"
 
     @property
     def exact(self) -> bool:
@@ -222,21 +251,39 @@ class TurnResult:
                 "reasons": list(self.lookup.reasons) if self.lookup else [],
                 "exact": self.exact, "replay_tokens": self.replay_tokens,
                 "replay_budget_tokens": self.replay_budget_tokens,
-                "message": self.message.id if self.message else None, "saved_segments": self.saved_segments}
+                "message": self.message.id if self.message else None, "saved_segments": self.saved_segments,
+                "conversation": self.conversation, "branch": self.branch, "model": self.model,
+                **self._llama_timings()}
+
+    def _llama_timings(self) -> dict:
+        """llama.cpp server's timing names (as `hcw generate --json` prints them), beside hcw's own."""
+        t = self.timings or Timings(prompt_n=self.prompt_tokens, prompt_ms=self.ttft_ms)
+        d = t.as_dict()
+        return {"prompt_n": d["prompt_n"], "prompt_ms": d["prompt_ms"], "predicted_n": d["predicted_n"],
+                "predicted_ms": d["predicted_ms"], "predicted_per_second": d["predicted_per_second"],
+                "cache_n": self.cached_tokens}
 
 
 @dataclass
 class SessionStats:
-    turns: int = 0
+    turns: int = 0  # answered turns (a cancelled one is counted apart)
     hits: int = 0
     degraded: int = 0
     misses: int = 0
+    cancelled: int = 0
     last_ttft_ms: float = 0.0
-    last_tokens_per_s: float = 0.0
+    decoded_tokens: int = 0  # over the session, cancelled turns too
+    decode_ms: float = 0.0
+
+    @property
+    def last_tokens_per_s(self) -> float:
+        """Decode speed over the session's decoded tokens (one 2-token answer says little)."""
+        return 1000 * self.decoded_tokens / self.decode_ms if self.decode_ms else 0.0
 
     def as_dict(self) -> dict:
         looked = self.hits + self.degraded + self.misses
         return {"turns": self.turns, "hits": self.hits, "degraded": self.degraded, "misses": self.misses,
+                "cancelled": self.cancelled, "decoded_tokens": self.decoded_tokens,
                 "hit_rate": (self.hits + self.degraded) / looked if looked else 0.0,
                 "degraded_rate": self.degraded / looked if looked else 0.0,
                 "ttft_ms": self.last_ttft_ms, "tokens_per_s": self.last_tokens_per_s,
@@ -260,17 +307,28 @@ class ChatSession:
         try:
             self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
             self.engine = Engine(self.model, EngineConfig(dtype=self.model.dtype, device=str(self.model.device),
+                                                          prefill_chunk_size=opts.prefill_chunk_size,
                                                           deterministic=opts.deterministic), cache=self.cache)
             self.store = Conversations(self.tier.db)
             self.stats = SessionStats()
             if opts.session:
                 self.resume(opts.session)
+            elif opts.continue_last:
+                latest = self.store.recent(1)
+                if not latest:
+                    raise ValueError("there is no stored conversation to continue")
+                self.resume(latest[0]["id"])
             else:
                 self.conversation, self.thread = self.store.create(model=self.tier.layout, system=opts.system)
         except BaseException:
             with contextlib.suppress(sqlite3.Error, OSError):  # the error being raised is the one to see
                 self.tier.close()  # its writer thread and connections
             raise
+
+    @property
+    def model_name(self) -> str:
+        """What the user called the model: a built-in's name, or its folder's."""
+        return Path(str(self.opts.model)).name
 
     # ---- the conversation ----------------------------------------------------------------
     def path(self) -> list[Message]:
@@ -320,8 +378,6 @@ class ChatSession:
             if on_text is not None and delta:
                 on_text(delta)
             draft.tick(out)
-            if should_stop is not None and should_stop():
-                raise Cancelled
 
         params = self.sampling()
         before = len(self.cache.events) if self.cache is not None else 0
@@ -330,9 +386,10 @@ class ChatSession:
         stop_reason = "cancelled"
         gen: Generation | None = None
         try:
-            gen = self.engine.generate(ids, params, on_token=on_token, decode_threads=self.opts.decode_threads)
+            gen = self.engine.generate(ids, params, on_token=on_token, decode_threads=self.opts.decode_threads,
+                                       should_stop=should_stop)
             stop_reason = gen.stop_reason
-        except Cancelled:
+        except Cancelled:  # raised by a caller's on_text (the engine's own stop is should_stop)
             pass
         except BaseException:
             draft.discard()  # no answer: the turn is undone by the caller
@@ -341,24 +398,57 @@ class ChatSession:
         lookup = self.cache.events[-1] if self.cache is not None and len(self.cache.events) > before else None
         answer_ids = [t for t in out if t not in self.tok.eos_ids]
         text = self.tok.decode(answer_ids)
-        ttft = gen.timings.prompt_ms if gen else wall_ms
-        tps = gen.timings.as_dict()["predicted_per_second"] if gen else 0.0
+        timings = gen.timings if gen else Timings(prompt_n=len(ids), prompt_ms=wall_ms)
+        ttft = timings.prompt_ms
+        tps = timings.as_dict()["predicted_per_second"]
         meta = {"stop_reason": stop_reason, "prompt_tokens": len(ids), "ttft_ms": round(ttft, 2),
                 "tokens_per_s": round(tps, 2), "outcome": lookup.outcome if lookup else "off",
                 "cached_tokens": lookup.plan.usable_tokens if lookup else 0,
                 "exact": lookup.plan.exact if lookup else True}
-        try:
-            message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta,
-                                        replaces=draft.id)
-        except BaseException:
-            draft.discard()
-            raise
+        message = None
+        if out or stop_reason != "cancelled":  # cancelled before its first token: no answer to keep
+            try:
+                message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta,
+                                            replaces=draft.id)
+            except BaseException:
+                draft.discard()
+                raise
         saved = self.tier.saved - saved_before  # the engine saved (and flushed) at the request's end, cancelled too
-        self._count(lookup, ttft, tps)
+        self._count(lookup, timings, cancelled=stop_reason == "cancelled")
         budget = (self.cache.validator.policy.tokens(lookup.plan.usable_tokens) or 0) \
             if lookup is not None and self.opts.reuse == "approximate" else 0
         return TurnResult(text, answer_ids, stop_reason, len(ids), meta["cached_tokens"], ttft, tps, lookup, message,
-                          saved, budget)
+                          saved, budget, conversation=self.conversation.id, branch=self.thread.name,
+                          model=self.model_name, timings=timings)
+
+    def set_option(self, name: str, value: str) -> str:
+        """`/set NAME VALUE`: change a sampling option (SETTABLE) for the turns that follow;
+        returns a line saying what it is now. A bad name or value raises ValueError."""
+        key = name.strip().lower().replace("-", "_")
+        if key not in SETTABLE:
+            raise ValueError(f"unknown option {name!r}; /set takes {', '.join(SETTABLE)}")
+        text = value.strip()
+        try:
+            if key == "sample":
+                if text.lower() not in ("on", "off", "true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                change = {"greedy": text.lower() in ("off", "false", "0", "no")}
+            elif key == "seed":
+                change = {"seed": None if text.lower() == "none" else int(text)}
+            elif key == "max_new_tokens":
+                change = {"max_new_tokens": int(text)}
+            else:
+                change = {key: float(text), "greedy": False}
+        except ValueError:
+            raise ValueError(f"/set {key}: {value!r} is not a value it takes ({SETTABLE[key]})") from None
+        try:
+            self.opts = dataclasses.replace(self.opts, **change)  # ChatOptions checks the values
+        except ValueError as e:
+            raise ValueError(f"/set {key}: {e}") from None
+        o = self.opts
+        how = "greedy" if o.greedy else f"sampling at temperature {o.temperature:g}, top_p {o.top_p:g}"
+        now = ("off" if o.greedy else "on") if key == "sample" else getattr(o, key)
+        return f"{key} = {now}; answers: {how}, seed {o.seed}, up to {o.max_new_tokens} tokens"
 
     def sampling(self) -> SamplingParams:
         o = self.opts
@@ -374,10 +464,18 @@ class ChatSession:
         gen = Engine(self.model, self.engine.config).generate(self.prompt_ids(path[:-1]), self.sampling())
         return self.tok.decode([t for t in gen.token_ids if t not in self.tok.eos_ids])
 
-    def _count(self, lookup: CacheLookup | None, ttft: float, tps: float) -> None:
+    def _count(self, lookup: CacheLookup | None, timings: Timings, cancelled: bool) -> None:
+        """A turn into the session's statistics: a cancelled one counts only as cancelled (its
+        lookup and its cut-short prefill say nothing about the cache); tokens/s is over every
+        token the session decoded, not the last answer's few."""
         s = self.stats
+        s.decoded_tokens += timings.predicted_n
+        s.decode_ms += timings.predicted_ms
+        if cancelled:
+            s.cancelled += 1
+            return
         s.turns += 1
-        s.last_ttft_ms, s.last_tokens_per_s = ttft, tps
+        s.last_ttft_ms = timings.prompt_ms
         if lookup is not None:
             outcome = lookup.outcome
             if outcome == "hit":
