@@ -256,9 +256,8 @@ class Conversations:
         out = []
         for id, title, model, updated, first, n_messages, n_threads, meta in rows:
             title, model, first = _text(title), _text(model), _text(first)
-            name = _meta(_text(meta))[0].get("model_name")
             out.append({"id": _text(id), "title": shorten(title or first) if (title or first) else None,
-                        "model": name if isinstance(name, str) else model[:12] if model else None,
+                        "model": model_label(_meta(_text(meta))[0].get("model_name"), model),
                         "branches": n_threads, "messages": n_messages, "updated": _text(updated)})
         return out
 
@@ -685,6 +684,14 @@ def _addressed(row: dict) -> bool:
     """Whether a buildable row's id is the digest of what it says."""
     return (isinstance(row["conversation"], str) and isinstance(row["parent"], str | None)
             and row["id"] == message_digest(row["conversation"], row["parent"], row["role"], row["content"]))
+
+
+def model_label(name, fingerprint) -> str | None:
+    """How a conversation's model is shown: its name, else the first 12 digits of its fingerprint
+    (conversations made before names were kept), else None."""
+    if isinstance(name, str):
+        return name
+    return fingerprint[:12] if isinstance(fingerprint, str) and fingerprint else None
 
 
 def shorten(text: str, width: int = 60) -> str:

@@ -446,10 +446,10 @@ def test_hcw_inspect_lists_conversations_and_refuses_unknown_sessions(tmp_path):
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert report["segments"] == 0
-    assert [(c["id"], c["title"], c["messages"], c["threads"]) for c in report["conversations"]] == [
-        (conv.id, "arithmetic", 7, 2)]
+    assert [(c["id"], c["title"], c["model"], c["messages"], c["branches"]) for c in report["conversations"]] == [
+        (conv.id, "arithmetic", "ab" * 6, 7, 2)]
     res = runner.invoke(app, ["inspect", str(path)])
-    assert res.exit_code == 0 and f"{conv.id}  \"arithmetic\"  7 messages  2 threads" in res.stdout
+    assert res.exit_code == 0 and f"{conv.id}  \"arithmetic\"  {'ab' * 6}  7 messages  2 branches" in res.stdout
     res = runner.invoke(app, ["inspect", str(path), "--session", "beef"])
     assert res.exit_code == 2 and "no conversation 'beef'" in res.stderr
     res = runner.invoke(app, ["inspect", str(path), "--session", conv.id, "--verify"])

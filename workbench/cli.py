@@ -18,6 +18,9 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+# store/db.py's default_home(), in words
+DB_HELP = ("workbench file: conversations and cached segments (default: $HCW_HOME/hcw.db, else "
+           "$XDG_DATA_HOME/hcw/hcw.db, else ~/.local/share/hcw/hcw.db)")
 DETERMINISTIC_HELP = ("bit-exact: prefill one token a step, so the logits never depend on how a prompt was "
                       "chunked or where a cache hit ended (prefill runs at decode's speed)")
 
@@ -180,6 +183,52 @@ def inspect_db(
         _fail(str(e))
     if bad:
         raise typer.Exit(1)
+
+
+@app.command()
+def conversations(
+    limit: int = typer.Option(20, "-n", "--limit", min=1, help="list at most this many, newest first"),
+    query: str | None = typer.Option(None, "-q", "--query", help="only conversations with a message (or title) "
+                                     "holding this text, case-insensitively"),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """List the stored conversations, newest first: id, last update, model, branches, messages and
+    title (the first user message). Continue one with `hcw chat --session ID` (the latest: `hcw chat
+    -c`), write one out with `hcw export ID`."""
+    from workbench.history import list_conversations
+    from workbench.inspect_cmd import DatabaseUnreadable
+
+    try:
+        list_conversations(db, limit, query, as_json, sys.stdout)
+    except DatabaseUnreadable as e:
+        _fail(str(e), 1)
+    except ValueError as e:
+        _fail(str(e))
+
+
+@app.command()
+def export(
+    conversation: str = typer.Argument(..., help="conversation id, or a unique prefix of one"),
+    branch: str | None = typer.Option(None, "--branch", help="branch name or id prefix (default: the most recently "
+                                      "updated branch, the one `hcw chat --session` continues)"),
+    fmt: str = typer.Option("md", "--format", help="md (Markdown) | json"),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Print one branch of a stored conversation, root first, as Markdown or JSON. Exit 1 when the
+    branch's history is damaged (`hcw inspect --session ID` shows what is intact)."""
+    from store.conversations import ConversationDamaged
+    from workbench.history import export as write_export
+    from workbench.inspect_cmd import DatabaseUnreadable
+
+    try:
+        write_export(db, conversation, branch, fmt, sys.stdout)
+    except (DatabaseUnreadable, ConversationDamaged) as e:
+        _fail(str(e), 1)
+    except KeyError as e:
+        _fail(e.args[0])
+    except ValueError as e:
+        _fail(str(e))
 
 
 @app.command()

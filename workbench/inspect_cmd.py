@@ -1,5 +1,5 @@
 """`hcw inspect`: what the workbench database holds, and with --verify whether all of it is sound;
-with --session, one conversation: its threads and its branch tree.
+with --session, one conversation: its branches and its message tree.
 
 --verify names every finding, one line each, in what the chat can meet: segment rows that do not
 parse (tokens a whole block of int64 ids, hex keys, a non-negative index, JSON presence), chains
@@ -13,13 +13,16 @@ from __future__ import annotations
 import collections
 import json
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
+import sqlite_utils
 import xxhash
 
-from store.conversations import ConversationDamaged, Conversations, walk
+from store.conversations import ConversationDamaged, Conversations, model_label, walk
 from store.db import default_home, open_db
 from store.tier import DiskTier
 
@@ -27,6 +30,7 @@ from store.tier import DiskTier
 ROOT = "00" * 16
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _HEX = frozenset("0123456789abcdef")
+_DEFAULT = " (the default file; name another to read it)"
 # their foreign keys are what `Conversations.check` names, by id and in words
 _CONVERSATION_TABLES = {"conversations", "messages", "threads"}
 
@@ -35,18 +39,43 @@ class DatabaseUnreadable(ValueError):
     """The file cannot be read as a workbench database; the message is one line saying why."""
 
 
+def default_db() -> Path:
+    """The workbench file every command uses without --db: $HCW_HOME/hcw.db, else
+    $XDG_DATA_HOME/hcw/hcw.db, else ~/.local/share/hcw/hcw.db."""
+    return default_home() / "hcw.db"
+
+
+def existing(db_path: Path | None) -> Path:
+    """The file `db_path` (default: `default_db()`), checked to be a workbench database before
+    anything opens it: ValueError when there is none, DatabaseUnreadable when it is not one."""
+    path = Path(db_path or default_db())
+    if not path.is_file():
+        raise ValueError(f"no workbench database at {path}")
+    _check_file(path)
+    return path
+
+
+@contextmanager
+def reading(path: Path) -> Iterator[sqlite_utils.Database]:
+    """The checked file (`existing`) opened; an SQLite error while it is read is DatabaseUnreadable."""
+    db = _opened(path, open_db)
+    try:
+        yield db
+    except sqlite3.DatabaseError as e:
+        raise _unreadable(path, e) from None
+    finally:
+        db.close()
+
+
 def inspect(db_path: Path | None, verify: bool, gc: bool, as_json: bool, out: TextIO,
             session: str | None = None) -> bool:
     """Print the report; return True when --verify (or --session, of its conversation) found
     anything bad. DatabaseUnreadable when the file is not a workbench database SQLite can read."""
-    path = Path(db_path or default_home() / "hcw.db")
-    if not path.is_file():
-        raise ValueError(f"no workbench database at {path}")
-    _check_file(path)
+    path = existing(db_path)
     try:
         if session is not None:
-            return _session(path, session, as_json, out)
-        return _report(path, verify, gc, as_json, out)
+            return _session(path, session, as_json, out, db_path is None)
+        return _report(path, verify, gc, as_json, out, db_path is None)
     except sqlite3.DatabaseError as e:
         raise _unreadable(path, e) from None
 
@@ -105,15 +134,15 @@ def _opened(path: Path, open_):
         raise _unreadable(path, e, "opening it: ") from None
 
 
-def _report(path: Path, verify: bool, gc: bool, as_json: bool, out: TextIO) -> bool:
+def _report(path: Path, verify: bool, gc: bool, as_json: bool, out: TextIO, default: bool) -> bool:
     tier = _opened(path, DiskTier)
     try:
-        return _written(tier, path, verify, gc, as_json, out)
+        return _written(tier, path, verify, gc, as_json, out, default)
     finally:
         tier.close()
 
 
-def _written(tier: DiskTier, path: Path, verify: bool, gc: bool, as_json: bool, out: TextIO) -> bool:
+def _written(tier: DiskTier, path: Path, verify: bool, gc: bool, as_json: bool, out: TextIO, default: bool) -> bool:
     db = tier.db
     removed = _gc(db) if gc else 0
     by_kind = {str(kind): {"blobs": n, "stored_bytes": stored or 0, "raw_bytes": raw or 0}
@@ -139,8 +168,8 @@ def _written(tier: DiskTier, path: Path, verify: bool, gc: bool, as_json: bool, 
     if as_json:
         out.write(json.dumps(report, default=str) + "\n")
         return bool(findings)
-    out.write(f"{report['db']}\n  models: {report['models']}  segments: {report['segments']}  "
-              f"layouts: {len(layouts)}\n")
+    out.write(f"workbench file {report['db']}{_DEFAULT if default else ''}\n  models: {report['models']}  "
+              f"segments: {report['segments']}  layouts: {len(layouts)}\n")
     out.write(f"  {'state kind':16} {'blobs':>7} {'stored MiB':>11} {'raw MiB':>9} {'ratio':>6}\n")
     for kind, v in report["by_kind"].items():
         ratio = f"{v['ratio']:.2f}" if v["ratio"] else "-"
@@ -150,8 +179,8 @@ def _written(tier: DiskTier, path: Path, verify: bool, gc: bool, as_json: bool, 
         out.write(f"  gc: removed {removed} unreachable segment(s)\n")
     out.write(f"  conversations: {len(report['conversations'])}\n")
     for c in report["conversations"]:
-        out.write(f"    {c['id']}  {_title(c['title'])}  {c['messages']} messages  {c['threads']} threads  "
-                  f"updated {str(c['updated'])[:19]}\n")
+        out.write(f"    {c['id']}  {_title(c['title'])}  {c['model'] or '-'}  {c['messages']} messages  "
+                  f"{_count(c['branches'], 'branch', 'branches')}  updated {str(c['updated'])[:19]}\n")
     if verify:
         v = report["verify"]
         out.write(f"  verify: {len(v['bad'])} bad of {v['checked']} segments; integrity_check "
@@ -259,18 +288,15 @@ def _is_hex(value, length: int | None = None) -> bool:
 
 
 def _listing(db) -> list[dict]:
-    """Most recently updated first, each with its counts (one query: a damaged id is listed too)."""
-    return [{"id": id, "title": title, "messages": n_messages, "threads": n_threads, "updated": updated}
-            for id, title, updated, n_messages, n_threads in db.execute(
-                "SELECT c.id, c.title, c.updated, (SELECT count(*) FROM messages m WHERE m.conversation = c.id), "
-                "(SELECT count(*) FROM threads t WHERE t.conversation = c.id) FROM conversations c "
-                "ORDER BY c.updated DESC, c.rowid DESC")]
+    """Every conversation, most recently updated first, as `Conversations.recent` lists them (a
+    damaged row is listed too)."""
+    n = db.execute("SELECT count(*) FROM conversations").fetchone()[0]
+    return Conversations(db).recent(n) if n else []
 
 
-def _session(path: Path, session: str, as_json: bool, out: TextIO) -> bool:
-    """One conversation's threads and tree, and every finding in its rows (then True)."""
-    db = _opened(path, open_db)
-    try:
+def _session(path: Path, session: str, as_json: bool, out: TextIO, default: bool) -> bool:
+    """One conversation's branches (threads) and tree, and every finding in its rows (then True)."""
+    with reading(path) as db:
         convs = Conversations(db)
         try:
             conv = convs.conversation(convs.resolve("conversation", session))
@@ -284,8 +310,6 @@ def _session(path: Path, session: str, as_json: bool, out: TextIO) -> bool:
                 threads.append((t, None))
         rows = list(_tree_rows(convs.tree(conv.id)))
         findings = convs.check(conv.id)
-    finally:
-        db.close()
     if as_json:
         out.write(json.dumps({
             "db": str(path), "conversation": asdict(conv),
@@ -296,8 +320,11 @@ def _session(path: Path, session: str, as_json: bool, out: TextIO) -> bool:
             "findings": findings,
         }, default=str) + "\n")
         return bool(findings)
-    out.write(f"conversation {conv.id}  {_title(conv.title)}  model {str(conv.model or '-')[:16]}  "
-              f"updated {str(conv.updated)[:19]}\n  threads:\n")
+    if default:
+        out.write(f"workbench file {path}{_DEFAULT}\n")
+    model = model_label(conv.model_name, conv.model) or "-"
+    out.write(f"conversation {conv.id}  {_title(conv.title)}  model {model}  updated {str(conv.updated)[:19]}\n"
+              "  branches:\n")
     for t, n in threads:
         fork = f"  forked from {str(t.forked_from)[:8]}" if t.forked_from else ""
         count = f"{n} messages" if n is not None else "damaged"
@@ -336,6 +363,10 @@ def _tree_rows(tree: list[dict]):
         lead, rest = leads.pop(node["message"].id)
         yield depth, lead, node
         hang(node["children"], rest)
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _title(title: str | None) -> str:
