@@ -121,3 +121,15 @@ def test_projection_weights_are_stored_transposed_on_the_cpu_and_save_back_uncha
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
     ids = torch.randint(0, 97, (20,))
     assert (model(ids) - ref.logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+def test_loading_a_model_initialises_no_parameter_it_then_replaces():
+    """A start pays for nothing the checkpoint overwrites: building the modules runs no init (on the
+    meta device an init goes through torch._refs, whose first use imports TorchDynamo, ~1 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from engine import load_model; m = load_model('hcw-tiny', device='cpu'); "
+            "assert not any(p.is_meta for p in m.parameters()); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

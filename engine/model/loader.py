@@ -10,6 +10,8 @@ Every missing, unexpected or mis-shaped tensor is an error that names the tensor
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import re
 from pathlib import Path
@@ -60,7 +62,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     dtype = parse_dtype(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             model = HybridModel(cfg)
     except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:  # sizes no model can have
         raise ConfigError(f"{folder / 'config.json'} describes no model hcw can build ({type(e).__name__}: {e})") from None
@@ -78,6 +80,26 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     model.weights_digest = xxhash.xxh3_128_digest(f"loader {LOADER_VERSION}".encode() + files_digest(files))
     # an inference engine's weights never need gradients; training builds its own model
     return model.eval().requires_grad_(False)
+
+
+_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+          "xavier_normal_", "zeros_", "ones_", "constant_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def _no_init():
+    """Modules built without initialising their parameters: the checkpoint replaces every one. On
+    the meta device an init is an empty op, but it runs through torch._refs, whose first use
+    imports TorchDynamo: about 1 s of every start, for nothing (what transformers'
+    `no_init_weights` does too)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 # DeepSeek-V4 keeps these in float32 whatever the model dtype: norms, hyper-connection weights,
