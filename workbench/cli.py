@@ -9,8 +9,24 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# rich_markup_mode=None: click's help layout, in which a flag reads as a flag (typer's rich panels
+# show every one as taking a <bool>) and a docstring's line breaks are joined into paragraphs
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                   help="hcw: hybrid cache workbench for hybrid-attention language models.")
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        typer.echo(f"hcw {version('hcw')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="print hcw's version and exit")) -> None:
+    """hcw: hybrid cache workbench for hybrid-attention language models."""
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -21,6 +37,9 @@ def _fail(message: str, code: int = 2) -> None:
 # store/db.py's default_home(), in words
 DB_HELP = ("workbench file: conversations and cached segments (default: $HCW_HOME/hcw.db, else "
            "$XDG_DATA_HOME/hcw/hcw.db, else ~/.local/share/hcw/hcw.db)")
+# ChatOptions' defaults, for `hcw chat --help` without importing the engine (a test holds them equal)
+CHAT_DEFAULTS = {"system": "You are a helpful assistant. Remember what the user tells you.", "temperature": 0.8,
+                 "top_p": 0.95, "seed": 0}
 DETERMINISTIC_HELP = ("bit-exact: prefill one token a step, so the logits never depend on how a prompt was "
                       "chunked or where a cache hit ended (prefill runs at decode's speed)")
 
@@ -115,7 +134,7 @@ def replay(
         raise typer.Exit(1)
 
 
-bench = typer.Typer(no_args_is_help=True, help="Measurements that need a model (scripts in benchmarks/ cover the rest).")
+bench = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Measurements that need a model (scripts in benchmarks/ cover the rest).")
 app.add_typer(bench, name="bench")
 
 
@@ -161,16 +180,17 @@ def bench_replay(
 
 @app.command("inspect")
 def inspect_db(
-    db: Path | None = typer.Argument(None, help="database file (default: $HCW_HOME/hcw.db)"),
+    db: Path | None = typer.Argument(None, help=DB_HELP),
     verify: bool = typer.Option(False, "--verify", help="re-check every checksum and fingerprint"),
     gc: bool = typer.Option(False, "--gc", help="remove segments no chain can reach"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     session: str | None = typer.Option(None, "--session", help="one conversation (id or unique prefix): "
-                                       "its threads and branch tree"),
+                                       "its branches and message tree"),
 ) -> None:
-    """Show what the workbench database holds: segments, bytes and compression by state kind, and
-    conversations; with --session, one conversation's threads and branch tree. Exit 1 on any
-    finding (--verify, or a damaged conversation) or a file that is not a readable workbench database."""
+    """Show what the workbench file holds: segments, bytes and compression by state kind, and
+    conversations (with their models and branches); with --session, one conversation's branches and
+    message tree. The first line names the file read. Exit 1 on any finding (--verify, or a damaged
+    conversation) or a file that is not a readable workbench database."""
     from workbench.inspect_cmd import DatabaseUnreadable, inspect
 
     if session is not None and (verify or gc):
@@ -233,9 +253,14 @@ def export(
 
 @app.command()
 def chat(
-    model: str = typer.Option("hcw-tiny", "--model", help="model folder, or a built-in model's name"),
-    db: Path | None = typer.Option(None, "--db", help="workbench database (default: $HCW_HOME/hcw.db)"),
-    session: str | None = typer.Option(None, "--session", help="resume a stored conversation (id or prefix)"),
+    model: str = typer.Option("hcw-tiny", "--model", help="model folder, or a built-in model's name (`hcw models`)"),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    session: str | None = typer.Option(None, "--session", help="resume a stored conversation (id or prefix; "
+                                       "`hcw conversations` lists them)"),
+    continue_last: bool = typer.Option(False, "-c", "--continue", help="resume the most recently updated "
+                                       "conversation"),
+    system: str | None = typer.Option(None, "--system", help="a new conversation's system message (default: "
+                                      f"{CHAT_DEFAULTS['system']!r}; '' for none)"),
     reuse: str = typer.Option("exact", "--reuse", help="exact (default: only provably exact reuse) | approximate "
                               "(Tail-Replay within --replay-budget, labelled) | off"),
     replay_budget: str = typer.Option("5%", "--replay-budget", help="approximate: tokens a GDN replay may take, "
@@ -247,24 +272,37 @@ def chat(
                                      "of each GDN state (~1/4 of an exact checkpoint's bytes) where no checkpoint "
                                      "is kept; a replay may restart from one, its certified bound far lower than "
                                      "from zero (0: none)"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="tokens an answer may take"),
     sample: bool = typer.Option(False, "--sample", help="temperature/top-p sampling instead of greedy"),
+    temperature: float | None = typer.Option(None, "--temperature", help="sampling temperature, > 0 (default "
+                                             f"{CHAT_DEFAULTS['temperature']}; turns sampling on)"),
+    top_p: float | None = typer.Option(None, "--top-p", help="nucleus sampling's probability mass, in (0, 1] "
+                                       f"(default {CHAT_DEFAULTS['top_p']}; turns sampling on)"),
+    seed: int | None = typer.Option(None, "--seed", help=f"the sampler's seed (default {CHAT_DEFAULTS['seed']})"),
     plain: bool = typer.Option(False, "--plain", help="line-based REPL (also used when stdin is not a terminal)"),
     as_json: bool = typer.Option(False, "--json", help="plain mode: one JSON object per answer or command"),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
 ) -> None:
-    """Chat with a model: the Textual workbench on a terminal, a line-based REPL otherwise."""
+    """Chat with a model: the Textual workbench on a terminal, a line-based REPL otherwise. Every
+    turn is saved in the workbench file (--db; default $HCW_HOME/hcw.db, without HCW_HOME
+    ~/.local/share/hcw/hcw.db) as it is answered."""
     from engine.config import ConfigError
     from workbench.remote import EngineProcessError, RemoteSession
     from workbench.session import ChatOptions, ChatSession, parse_budget
 
     import sqlite3
 
+    # only what was given: the rest keeps ChatOptions' defaults
+    given = {k: v for k, v in {"temperature": temperature, "top_p": top_p, "seed": seed}.items() if v is not None}
+    if system is not None:
+        given["system"] = system or None  # '': no system message
     try:
-        opts = ChatOptions(model=model, db=db, session=session, reuse=reuse, max_new_tokens=max_new_tokens,
-                           greedy=not sample, replay_budget=(budget := parse_budget(replay_budget)),
+        opts = ChatOptions(model=model, db=db, session=session, continue_last=continue_last, reuse=reuse,
+                           max_new_tokens=max_new_tokens, greedy=not (sample or temperature is not None
+                                                                      or top_p is not None),
+                           replay_budget=(budget := parse_budget(replay_budget)),
                            replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
-                           sketch_every=gdn_sketches, deterministic=deterministic)
+                           sketch_every=gdn_sketches, deterministic=deterministic, **given)
         line_based = plain or as_json or not sys.stdin.isatty()
         # the workbench generates in a process of its own, so that drawing never holds up decoding
         chat_session = ChatSession(opts) if line_based else RemoteSession(opts)
