@@ -319,7 +319,8 @@ class ChatSession:
                     raise ValueError("there is no stored conversation to continue")
                 self.resume(latest[0]["id"])
             else:
-                self.conversation, self.thread = self.store.create(model=self.tier.layout, system=opts.system)
+                self.conversation, self.thread = self.store.create(model=self.tier.layout, system=opts.system,
+                                                                     model_name=self.model_name)
         except BaseException:
             with contextlib.suppress(sqlite3.Error, OSError):  # the error being raised is the one to see
                 self.tier.close()  # its writer thread and connections
