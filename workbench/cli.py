@@ -321,6 +321,32 @@ def chat(
     raise typer.Exit(workbench.return_code or 0)  # 1 when the engine's process died under it
 
 
+@app.command()
+def models(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """The built-in models (loadable by name, nothing downloaded): parameters, layers, what one
+    sequence's state costs per token and whatever its length, and the layer kinds."""
+    from workbench.catalog import builtins, table
+
+    found = builtins()
+    typer.echo(json.dumps({"models": found}) if as_json else table(found), nl=as_json)
+
+
+@app.command()
+def show(
+    model: str = typer.Argument(..., help="a built-in model's name (`hcw models`) or a model folder"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """One model from its config.json (its weights are not loaded): type, parameters, layer kinds
+    and order, sizes, tokenizer and chat template, and its state's bytes by state kind."""
+    from workbench.catalog import describe, details
+
+    try:
+        found = describe(model)
+    except ValueError as e:  # ConfigError: no such folder or name, a config hcw cannot run
+        _fail(str(e))
+    typer.echo(json.dumps(found) if as_json else details(found), nl=as_json)
+
+
 @app.command("train-tiny")
 def train_tiny(
     out: Path = typer.Option(..., "--out", help="folder for the weights, config and loss log"),
