@@ -46,7 +46,8 @@ DETERMINISTIC_HELP = ("bit-exact: prefill one token a step, so the logits never 
 
 @app.command()
 def generate(
-    model: Path = typer.Option(..., "--model", help="model folder (config.json + safetensors)"),
+    model: Path = typer.Option(..., "--model", help="model folder (config.json + safetensors), or a built-in "
+                               "model's name (`hcw models`)"),
     prompt: str | None = typer.Option(None, "--prompt", help="prompt text (needs a tokenizer in the folder)"),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="comma-separated token ids"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=0),
@@ -58,9 +59,14 @@ def generate(
     device: str | None = typer.Option(None, "--device", help="cpu | cuda (default: cuda when present)"),
     chunk_size: int = typer.Option(2048, "--chunk-size", min=1, help="prefill chunk size"),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
+    chat: bool = typer.Option(False, "--chat", help="the prompt is a user message: put it through the model's chat "
+                              "template, so the model answers it"),
+    system: str | None = typer.Option(None, "--system", help="with --chat: a system message before the prompt"),
+    verbose: bool = typer.Option(False, "--verbose", help="print timings to stderr as Ollama does: load, prompt "
+                                 "eval count and rate, eval count and rate, cached tokens"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
 ) -> None:
-    """Generate a continuation of a prompt, streaming tokens as they come."""
+    """Generate a continuation of a prompt (with --chat, an answer to it), streaming tokens as they come."""
     from workbench.generate import GenerateRequest, run_generate
 
     if (prompt is None) == (prompt_ids is None):
@@ -73,9 +79,10 @@ def generate(
             _fail(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}")
     req = GenerateRequest(model=model, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
                           greedy=greedy, temperature=temperature, top_p=top_p, seed=seed, dtype=dtype,
-                          device=device, chunk_size=chunk_size, as_json=as_json, deterministic=deterministic)
+                          device=device, chunk_size=chunk_size, as_json=as_json, deterministic=deterministic,
+                          chat=chat, system=system, verbose=verbose)
     try:
-        run_generate(req, out=sys.stdout)
+        run_generate(req, out=sys.stdout, err=sys.stderr)
     except ValueError as e:
         _fail(str(e))
 

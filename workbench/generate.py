@@ -1,8 +1,11 @@
-"""`hcw generate`: load a folder, tokenize, stream a continuation, report llama.cpp-style timings."""
+"""`hcw generate`: load a folder, tokenize (with --chat: through the model's chat template, as one
+user message), stream a continuation, report llama.cpp-style timings (and with --verbose,
+Ollama-style stats on stderr)."""
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -10,6 +13,7 @@ from typing import TextIO
 from engine import EngineConfig, load_model
 from engine.config import parse_dtype
 from engine.engine import Engine, SamplingParams
+from engine.model.loader import resolve_model
 from engine.tokenizer import StreamDecoder, load_tokenizer
 
 
@@ -28,15 +32,29 @@ class GenerateRequest:
     chunk_size: int
     as_json: bool
     deterministic: bool = False  # bit-exact: prefill one token a step (EngineConfig.deterministic)
+    chat: bool = False  # the prompt is one user message, through the model's chat template
+    system: str | None = None  # with chat: a system message before it
+    verbose: bool = False  # Ollama-style stats on `err`
 
 
-def run_generate(req: GenerateRequest, out: TextIO) -> dict:
+def run_generate(req: GenerateRequest, out: TextIO, err: TextIO | None = None) -> dict:
+    if req.chat and req.prompt is None:
+        raise ValueError("--chat needs --prompt (text for the chat template), not --prompt-ids")
+    if req.system is not None and not req.chat:
+        raise ValueError("--system needs --chat: only a chat template places a system message")
+    t0 = time.perf_counter()
     model = load_model(req.model, dtype=req.dtype, device=req.device)
-    tok = load_tokenizer(req.model, model.config.extra)
+    tok = load_tokenizer(resolve_model(req.model), model.config.extra)
+    load_ms = 1000 * (time.perf_counter() - t0)
     if req.prompt is not None:
         if tok is None:
             raise ValueError(f"{req.model} has no tokenizer; pass token ids with --prompt-ids")
-        ids = tok.encode(req.prompt)
+        if req.chat:
+            messages = [{"role": "system", "content": req.system}] if req.system is not None else []
+            ids = tok.apply_chat_template([*messages, {"role": "user", "content": req.prompt}],
+                                          add_generation_prompt=True)
+        else:
+            ids = tok.encode(req.prompt)
     else:
         ids = list(req.prompt_ids or [])
     params = SamplingParams(max_new_tokens=req.max_new_tokens, greedy=req.greedy, temperature=req.temperature,
@@ -63,4 +81,27 @@ def run_generate(req: GenerateRequest, out: TextIO) -> dict:
         out.write(json.dumps(report) + "\n")
     else:
         out.write((decoder.flush() if decoder else "") + "\n")
+    if req.verbose and err is not None:
+        err.write(stats(report["timings"], load_ms, 1000 * (time.perf_counter() - t0)))
+        err.flush()
     return report
+
+
+def stats(timings: dict, load_ms: float, total_ms: float) -> str:
+    """Ollama's --verbose block: durations, counts and rates, from llama.cpp-named timings."""
+    def rate(n: int, ms: float) -> str:
+        return f"{1000 * n / ms:.2f} tokens/s" if ms else "-"
+
+    rows = [("total duration", _duration(total_ms)), ("load duration", _duration(load_ms)),
+            ("prompt eval count", f"{timings['prompt_n']} token(s)"),
+            ("prompt eval duration", _duration(timings["prompt_ms"])),
+            ("prompt eval rate", rate(timings["prompt_n"], timings["prompt_ms"])),
+            ("eval count", f"{timings['predicted_n']} token(s)"),
+            ("eval duration", _duration(timings["predicted_ms"])),
+            ("eval rate", rate(timings["predicted_n"], timings["predicted_ms"])),
+            ("cached tokens", str(timings["cache_n"]))]
+    return "".join(f"{name + ':':22}{value}\n" for name, value in rows)
+
+
+def _duration(ms: float) -> str:
+    return f"{ms / 1000:.3f}s" if ms >= 1000 else f"{ms:.2f}ms"
