@@ -26,6 +26,7 @@ from engine.cache.prefix_cache import CacheConfig, PrefixCache
 from engine.engine import Engine
 from engine.model.loader import resolve_model
 from engine.tokenizer import load_tokenizer
+from workbench.progress import Steps
 from workbench.tiny.data import RULER_KINDS, needle_task
 
 
@@ -106,7 +107,10 @@ def _state_errors(ours, ref) -> dict[int, float]:
 
 
 def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int = 4, seed: int = 0,
-              block_size: int = 64, progress=None) -> dict:
+              block_size: int = 64, progress=None, counter: Steps | None = None) -> dict:
+    """`progress`: called with each row's line as it is measured; `counter`: counts the tasks,
+    len(lengths) * tasks of them (`workbench.progress`)."""
+    counter = counter or Steps()
     folder = resolve_model(model)
     m = load_model(folder)
     tok = load_tokenizer(folder, m.config.extra)
@@ -119,7 +123,8 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
         cases = [needle_task(rng, length, i / max(1, tasks - 1), RULER_KINDS[i % len(RULER_KINDS)]) for i in range(tasks)]
         per_policy: dict[str, list[dict]] = {b.label: [] for b in budgets}
         full = []
-        for case in cases:
+        for n, case in enumerate(cases):
+            counter.doing(f"{length} tokens: task {n + 1} of {len(cases)}")
             # the earlier request's own turn is long enough (> 2 segments) that its checkpoints all
             # lie past the shared context
             warm = tok.apply_chat_template(case.context + [{"role": "user", "content": "Did you note it? " * 12},
@@ -164,6 +169,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                     "exact": run.plan.exact, "reused": run.plan.usable_tokens,
                     "replayed": run.plan.replay_tokens, "bound": run.plan.replay_bound,
                     "seeded": run.plan.replay_seed is not None, "gdn_bytes_per_1k": gdn_bytes})
+            counter.done()
         full_acc = sum(f["correct"] for f in full) / len(full)
         full_ttft = statistics.median(f["ttft_ms"] for f in full)
         for b in budgets:

@@ -96,11 +96,13 @@ def drill(
     dtype: str = typer.Option("fp32", "--dtype"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Break each kind of cached state on purpose and show the next hit is still exact."""
+    """Break each kind of cached state on purpose and show the next hit is still exact (a progress
+    bar on stderr when it is a terminal and --json is not given)."""
     from workbench.drill import run
+    from workbench.progress import wanted
 
     try:
-        silent = run(model, names or None, block_size, prompt_len, dtype, as_json, sys.stdout)
+        silent = run(model, names or None, block_size, prompt_len, dtype, as_json, sys.stdout, wanted(as_json))
     except ValueError as e:
         _fail(str(e))
     if silent:
@@ -115,19 +117,21 @@ def replay(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Run scripted chat sessions (turns, branches, edits, restarts, faults) and check their
-    expectations; exits 1 when one fails."""
+    expectations; exits 1 when one fails. A progress bar counts the steps on stderr when it is a
+    terminal and --json is not given."""
     import sqlite3
 
-    from workbench.replay import ScriptError, parse, replay_file
+    from workbench.progress import bar, wanted
+    from workbench.replay import ScriptError, count_steps, parse, replay_file
 
     try:
-        for f in files:
-            parse(f)  # every file is checked before anything runs
+        total = sum(count_steps(parse(f)) for f in files)  # every file is checked before anything runs
         reports = []
-        for f in files:
-            if not as_json:
-                typer.echo(f"{f}:")
-            reports.append(replay_file(f, db, model, None if as_json else typer.echo))
+        with bar(total, "steps", wanted(as_json)) as counter:
+            for f in files:
+                if not as_json:
+                    typer.echo(f"{f}:")
+                reports.append(replay_file(f, db, model, None if as_json else typer.echo, counter))
     except (ScriptError, ValueError, RuntimeError) as e:  # ConfigError, WeightsError; RuntimeError: a restart failed
         _fail(str(e))
     except (sqlite3.DatabaseError, OSError) as e:
@@ -158,15 +162,19 @@ def bench_replay(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     write_docs: bool = typer.Option(False, "--write-docs", help="write the table and plot into docs/"),
 ) -> None:
-    """Tail-Replay vs full prefill: quality and TTFT by prefix length and replay budget."""
+    """Tail-Replay vs full prefill: quality and TTFT by prefix length and replay budget (a progress
+    bar counts the tasks on stderr when it is a terminal and --json is not given)."""
     from workbench.bench_replay import markdown, parse_budgets, plot, run_bench
+    from workbench.progress import bar, wanted
 
     try:
         lengths = [int(x) for x in prefix_lengths.split(",") if x.strip()]
         if not lengths or min(lengths) < 64:
             raise ValueError("--prefix-lengths: give token counts of at least 64")
-        report = run_bench(model, lengths, parse_budgets(budgets, tolerance, sketch_every), tasks,
-                           progress=None if as_json else lambda line: typer.echo(line, err=True))
+        with bar(len(lengths) * tasks, "tasks", wanted(as_json)) as counter:
+            report = run_bench(model, lengths, parse_budgets(budgets, tolerance, sketch_every), tasks,
+                               progress=None if as_json else lambda line: typer.echo(line, err=True),
+                               counter=counter)
     except ValueError as e:  # ConfigError is one
         _fail(str(e))
     if as_json:

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workbench.progress import Steps
 from workbench.session import ChatOptions, ChatSession, TurnResult, parse_budget
 
 OPS = {"config", "user", "edit", "branch", "fork", "switch", "fault", "restart", "save"}
@@ -51,6 +52,11 @@ class StepResult:
     def as_dict(self) -> dict:
         return {"line": self.line, "op": self.op, "ok": self.ok, "detail": self.detail, "turn": self.turn,
                 "failures": self.failures}
+
+
+def count_steps(steps: list[tuple[int, dict]]) -> int:
+    """The steps that run (and are reported): all but config."""
+    return sum(step["op"] != "config" for _, step in steps)
 
 
 def parse(path: Path) -> list[tuple[int, dict]]:
@@ -122,30 +128,40 @@ def check(session: ChatSession, result: TurnResult, expect: dict) -> list[str]:
     return failures
 
 
-def run_steps(session: ChatSession, steps: list[tuple[int, dict]], start: int = 0) -> tuple[list[StepResult], int | None]:
-    """Run steps[start:] until the end or a restart; returns (results, index after the restart or None)."""
+def run_steps(session: ChatSession, steps: list[tuple[int, dict]], start: int = 0,
+              counter: Steps | None = None) -> tuple[list[StepResult], int | None]:
+    """Run steps[start:] until the end or a restart; returns (results, index after the restart or None).
+    `counter` hears of each step as it starts and when it is done (a progress display)."""
     results = []
+    counter = counter or Steps()
     for i in range(start, len(steps)):
         no, step = steps[i]
         op = step["op"]
         if op == "config":
             continue
-        if op == "restart":
-            session.close()
-            results.append(StepResult(no, op, True, f"conversation {session.conversation.id} continues in a new process"))
-            return results, i + 1
+        counter.doing(f"line {no}: {op}")
         try:
-            detail, turn = _apply(session, op, step)
-        except (ValueError, KeyError, IndexError) as e:
-            results.append(StepResult(no, op, False, "", None, [e.args[0] if e.args else str(e)]))
-            continue
-        except sqlite3.Error as e:  # the workbench file failed under the step: a failed step, said
-            results.append(StepResult(no, op, False, "", None, [f"workbench database: {type(e).__name__}: {e}"]))
-            continue
-        failures = check(session, turn, step.get("expect", {})) if turn is not None else []
-        results.append(StepResult(no, op, not failures, detail, turn.as_dict() if turn else None, failures))
+            if op == "restart":
+                session.close()
+                results.append(StepResult(no, op, True,
+                                          f"conversation {session.conversation.id} continues in a new process"))
+                return results, i + 1
+            results.append(_step(session, no, op, step))
+        finally:
+            counter.done()
     session.close()
     return results, None
+
+
+def _step(session: ChatSession, no: int, op: str, step: dict) -> StepResult:
+    try:
+        detail, turn = _apply(session, op, step)
+    except (ValueError, KeyError, IndexError) as e:
+        return StepResult(no, op, False, "", None, [e.args[0] if e.args else str(e)])
+    except sqlite3.Error as e:  # the workbench file failed under the step: a failed step, said
+        return StepResult(no, op, False, "", None, [f"workbench database: {type(e).__name__}: {e}"])
+    failures = check(session, turn, step.get("expect", {})) if turn is not None else []
+    return StepResult(no, op, not failures, detail, turn.as_dict() if turn else None, failures)
 
 
 def _apply(session: ChatSession, op: str, step: dict) -> tuple[str, TurnResult | None]:
@@ -167,13 +183,16 @@ def _apply(session: ChatSession, op: str, step: dict) -> tuple[str, TurnResult |
     raise ValueError(f"unknown op {op!r}")
 
 
-def replay_file(path: Path, db: Path | None = None, model: str | None = None, progress=None) -> dict:
-    """Run one session file; each restart continues in a child process on the same database."""
+def replay_file(path: Path, db: Path | None = None, model: str | None = None, progress=None,
+                counter: Steps | None = None) -> dict:
+    """Run one session file; each restart continues in a child process on the same database.
+    `progress`: called with a line per step result; `counter`: counts the steps (`workbench.progress`)."""
     steps = parse(path)
+    counter = counter or Steps()
     with tempfile.TemporaryDirectory() as tmp:
         db = db or Path(tmp) / "replay.db"
         session = ChatSession(options(steps, db, model))
-        results, resume_at = run_steps(session, steps)
+        results, resume_at = run_steps(session, steps, counter=counter)
         conversation, thread = session.conversation.id, session.thread.id
         _report(progress, results)
         while resume_at is not None:
@@ -184,6 +203,7 @@ def replay_file(path: Path, db: Path | None = None, model: str | None = None, pr
                 raise RuntimeError(f"the restarted process failed: {child.stderr.strip()[-2000:]}")
             out = json.loads(child.stdout.strip().splitlines()[-1])
             more = [StepResult(**r) for r in out["results"]]
+            counter.done(len(more))  # the child's steps, counted when it is done
             _report(progress, more)
             results += more
             resume_at, thread = out["resume_at"], out["thread"]
