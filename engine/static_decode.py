@@ -27,7 +27,9 @@ import weakref
 import torch
 
 from engine.cache.rules import TopologyGuard
-from engine.cache.states import PAGE, GDNState, KVState, ModelState, PagedKVState
+from engine.cache.gdn_state import GDNState
+from engine.cache.kv import PAGE, KVState, PagedKVState
+from engine.cache.states import ModelState
 
 WARMUP = 2  # uncaptured steps before a capture: kernels compiled, workspaces and the allocator settled
 

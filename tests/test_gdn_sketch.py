@@ -10,7 +10,7 @@ import torch
 
 from engine.cache.prefix_cache import CacheConfig, PrefixCache
 from engine.cache.replay import ReplayPolicy, Seeds, _seeded_bounds, bounds, choose
-from engine.cache.states import sketch, unsketch
+from engine.cache.gdn_state import sketch, unsketch
 from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.model.hybrid import HybridModel

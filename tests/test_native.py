@@ -17,7 +17,8 @@ import torch
 
 import kernels.native as native
 from engine.cache.prefix_cache import CacheConfig, PrefixCache
-from engine.cache.states import GDNState, KVState
+from engine.cache.gdn_state import GDNState
+from engine.cache.kv import KVState
 from engine.config import ModelConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.attention import GatedAttention

@@ -1,4 +1,4 @@
-"""The paged KV layout (engine/cache/states.py PagedKVState): full attention's keys and values in
+"""The paged KV layout (engine/cache/kv.py PagedKVState): full attention's keys and values in
 blocks of a pool read through a block table by the paged-attention kernels. It must hold exactly
 what the dense buffer holds, give the same logits through the model (the torch reference on CPU,
 the Triton kernels through the interpreter), and look the same to the prefix cache."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.cache.prefix_cache import CacheConfig, PrefixCache
-from engine.cache.states import PAGE, KVState, PagedKVState, kv_layout
+from engine.cache.kv import PAGE, KVState, PagedKVState, kv_layout
 from engine.config import ModelConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.hybrid import HybridModel
@@ -190,7 +190,7 @@ def test_the_engine_trusts_the_table_it_built_and_direct_calls_are_still_checked
 
 
 def test_an_assembled_dense_kv_state_takes_the_next_tokens_without_copying_the_prefix():
-    from engine.cache.states import KVState
+    from engine.cache.kv import KVState
 
     parts = [(torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)) for _ in range(40)]
     state = KVState.empty(1, 2, 8, torch.float32, "cpu").assemble(640, {"kv": parts})
@@ -205,7 +205,7 @@ def test_an_assembled_dense_kv_state_takes_the_next_tokens_without_copying_the_p
 def test_assembling_pieces_of_the_wrong_total_length_is_refused():
     # a cat into a view of the wrong length would only warn and scramble heads and positions;
     # the restore treats the ValueError as pieces that do not assemble and re-plans
-    from engine.cache.states import KVState
+    from engine.cache.kv import KVState
 
     empty = KVState.empty(1, 2, 8, torch.float32, "cpu")
     for lengths in ([16, 16, 8], [16, 16, 20]):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.cache.prefix_cache import CacheConfig, PrefixCache
-from engine.cache.states import GDNState, PagedKVState
+from engine.cache.gdn_state import GDNState
+from engine.cache.kv import PagedKVState
 from engine.config import ModelConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.hybrid import HybridModel

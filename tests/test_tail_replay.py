@@ -419,7 +419,7 @@ def test_a_replay_runs_no_layer_after_the_last_one_it_rebuilds(qwen):
     """Layers after the last GDN layer keep nothing from a replay (full attention only reads its
     cache): the engine's replay stops before them, and the states it rebuilds are bit for bit
     those of a replay through the whole model."""
-    from engine.cache.states import GDNState
+    from engine.cache.gdn_state import GDNState
 
     ids = torch.randint(0, qwen.config.vocab_size, (120,), generator=torch.Generator().manual_seed(4)).tolist()
     kinds = [isinstance(s, GDNState) for s in qwen.new_state().layers]

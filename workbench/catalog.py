@@ -2,7 +2,7 @@
 config.json without loading its weights: layer kinds, parameters (the model built on the meta
 device: no memory, no file read but the config), tokenizer, and what one sequence's state costs.
 
-The state's bytes come from the config by the shapes each layer kind keeps (engine/cache/states.py),
+The state's bytes come from the config by the shapes each layer kind keeps (engine/cache/kv.py, gdn_state.py, v4_state.py),
 per state kind as the layer's `StateObject`s name them; tests/test_cli_models.py holds them equal
 to the bytes of a real state after a prefill. A sequence of T tokens holds
     full attention     kv              2 · kv heads · head_dim per token

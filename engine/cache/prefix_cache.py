@@ -30,7 +30,8 @@ from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import GROUPS, group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
-from engine.cache.states import GDNState, ModelState, Piece, sketch, unsketch
+from engine.cache.gdn_state import GDNState, sketch, unsketch
+from engine.cache.states import ModelState, Piece
 from engine.cache.replay import ReplayPolicy
 from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator, check_buffer
 from engine.events import CacheLookup

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.states import KVState, PagedKVState, kv_layout
+from engine.cache.kv import KVState, PagedKVState, kv_layout
 from engine.config import ModelConfig
 from engine.model import cpu_attention
 from engine.model.direct import Linear

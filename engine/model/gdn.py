@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.states import GDNState
+from engine.cache.gdn_state import GDNState
 from engine.config import ModelConfig
 from engine.model.derived import derived
 from engine.model.direct import Linear

@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.states import KVState, ModelState, PagedKVState
+from engine.cache.kv import KVState, PagedKVState
+
+from engine.cache.states import ModelState
 from engine.config import V4_KINDS, ModelConfig
 from engine.model.attention import GatedAttention
 from engine.model.direct import Direct, Linear

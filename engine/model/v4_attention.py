@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.states import CompressedState, V4AttnState, WindowState
+from engine.cache.v4_state import CompressedState, V4AttnState, WindowState
 from kernels.compressed_attention import attend
 from kernels.compressor import pool
 from kernels.indexer import score
