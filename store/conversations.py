@@ -480,6 +480,21 @@ class Conversations:
             raise ValueError(f"{kind} prefix {prefix!r} is ambiguous: {', '.join(found[:5])}{more}")
         return found[0]
 
+    def delete_if_empty(self, conversation_id: str) -> bool:
+        """Delete a conversation nobody wrote in (no message but its system one): a chat started
+        and quit leaves nothing behind. Returns whether it was deleted."""
+        with self._writing():
+            written = self.db.execute("SELECT COUNT(*) FROM messages WHERE conversation = ? AND role != 'system'",
+                                      [conversation_id]).fetchone()[0]
+            if written:
+                return False
+            self.db.execute("DELETE FROM threads WHERE conversation = ?", [conversation_id])
+            self.db.execute("DELETE FROM messages WHERE conversation = ?", [conversation_id])
+            if self._has_meta():
+                self.db.execute(f"DELETE FROM {_META} WHERE conversation = ?", [conversation_id])
+            self.db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
+        return True
+
     @contextmanager
     def _writing(self) -> Iterator[None]:
         """One write transaction. BEGIN IMMEDIATE takes the write lock before the tip is read, so a

@@ -9,6 +9,8 @@ import time
 import pytest
 
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
+from store.conversations import Conversations
+from store.db import open_db
 from workbench.session import SETTABLE, ChatOptions, ChatSession
 
 LONG = "The code for Mira is 4821. " + "Filler words go here and there, again and again. " * 40
@@ -110,3 +112,22 @@ def test_bad_options_are_refused_when_the_session_is_made(model_dir, tmp_path):
     for kw in ({"temperature": 0.0}, {"top_p": 0.0}, {"session": "abc", "continue_last": True}):
         with pytest.raises(ValueError):
             ChatOptions(model=model_dir, db=tmp_path / "x.db", **kw)
+
+
+def test_a_chat_nobody_wrote_in_leaves_no_conversation_and_continue_takes_the_last(model_dir, tmp_path):
+    db = tmp_path / "e.db"
+    _session(model_dir, db).close()
+    with pytest.raises(ValueError, match="no stored conversation"):
+        _session(model_dir, db, continue_last=True)  # the first start saved nothing
+    s = _session(model_dir, db)
+    s.send("The code for Mira is 4821.")
+    first = s.conversation.id
+    s.close()
+    s = _session(model_dir, db)
+    s.send("Another chat")
+    second = s.conversation.id
+    s.close()
+    s = _session(model_dir, db, continue_last=True)
+    assert s.conversation.id == second and s.path()[-2].content == "Another chat"
+    s.close()
+    assert [c["id"] for c in Conversations(open_db(db)).recent()] == [second, first]

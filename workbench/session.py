@@ -579,5 +579,10 @@ class ChatSession:
         return rows
 
     def close(self) -> None:
-        self.save()
-        self.tier.close()
+        """Save the cache, forget a conversation nobody wrote in, close the file."""
+        try:
+            self.save()
+            with contextlib.suppress(sqlite3.Error):  # a damaged file keeps it: `hcw inspect` lists it
+                self.store.delete_if_empty(self.conversation.id)
+        finally:
+            self.tier.close()
