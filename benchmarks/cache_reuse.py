@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import parse_args, write_section  # noqa: E402
 from engine import load_model  # noqa: E402
-from engine.cache.prefix_cache import CacheConfig, PrefixCache  # noqa: E402
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache  # noqa: E402
 from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_random_model  # noqa: E402
 

@@ -22,7 +22,8 @@ import torch  # noqa: E402
 
 from benchmarks.report import parse_args, write_section  # noqa: E402
 from engine import EngineConfig, load_model  # noqa: E402
-from engine.cache.prefix_cache import CacheConfig, PrefixCache  # noqa: E402
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache  # noqa: E402
 from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.model.random_init import hcw_hybrid_dict, write_random_model  # noqa: E402
 

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import parse_args, write_section  # noqa: E402
 from engine import load_model  # noqa: E402
-from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint  # noqa: E402
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache, layout_fingerprint  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model.random_init import qwen3_5_text_dict  # noqa: E402
 from store.tier import DiskTier  # noqa: E402

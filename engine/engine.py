@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from engine.cache.prefix_cache import PrefixCache, RequestWriter
-from engine.cache.validation import ReusePlan
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.states import ModelState
+from engine.cache.validation import ReusePlan
+from engine.cache.writer import RequestWriter
 from engine.config import EngineConfig
 from engine.model.hybrid import HybridModel
 from engine.static_decode import StaticDecoder, StaticUnsupported, static_enabled

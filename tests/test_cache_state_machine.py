@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from engine import EngineConfig, load_model
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.engine import Engine, SamplingParams
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
 

@@ -13,7 +13,8 @@ import torch
 
 import hf_reference as ref
 from engine import load_model
-from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
 from engine.engine import Engine
 from engine.model.loader import resolve_model
 from engine.model.random_init import hcw_hybrid_dict, write_random_model

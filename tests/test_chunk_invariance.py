@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 import hf_reference as ref
 from engine import EngineConfig, load_model
-from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
 from engine.engine import Engine, SamplingParams
 from engine.model.mlp import Router, SparseMoE, V4MoE
 from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_random_model

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import load_model
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.engine import Engine
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
 from store.codec import BlobError, checksum, decode, decode_pack, encode, encode_pack
@@ -205,7 +206,8 @@ def test_resume_in_a_new_process_from_disk(model_dir, tmp_path):
         import json, sys, torch
         sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
         from engine import load_model
-        from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+        from engine.cache.config import CacheConfig
+        from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
         from engine.engine import Engine
         from store.tier import DiskTier
         model = load_model({str(model_dir)!r}, device="cpu")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.replay import ReplayPolicy, Seeds, _seeded_bounds, bounds, choose
 from engine.cache.gdn_state import sketch, unsketch
 from engine.config import ModelConfig

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from engine import load_model
-from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
 from engine.config import ConfigError
 from engine.engine import Engine
 from engine.model.loader import WeightsError

@@ -12,7 +12,8 @@ import pytest
 import xxhash
 
 from engine import load_model
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.engine import Engine, SamplingParams
 from engine.tokenizer import ByteTokenizer
 from workbench.tiny.data import SYSTEM, _filler, _filler_words

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import kernels.native as native
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.gdn_state import GDNState
 from engine.cache.kv import KVState
 from engine.config import ModelConfig

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.kv import PAGE, KVState, PagedKVState, kv_layout
 from engine.config import ModelConfig
 from engine.engine import Engine, SamplingParams

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import hf_reference as ref
 from engine import load_model
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.prefix_index import PrefixIndex, segment_hash
 from engine.engine import Engine, SamplingParams
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.gdn_state import GDNState
 from engine.cache.kv import PagedKVState
 from engine.config import ModelConfig

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.cache.faults import MemoryTier
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.validation import ReplayPolicy, Validator
 from engine.config import ModelConfig
 from engine.engine import Engine

@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
 from engine.engine import Engine
 from engine.config import ModelConfig
 from engine.model.hybrid import HybridModel

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from engine import load_model
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.engine import Engine
 from engine.model.loader import resolve_model
 from engine.tokenizer import load_tokenizer

@@ -8,7 +8,8 @@ import random
 import sqlite3
 from pathlib import Path
 
-from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
 from engine.engine import Engine
 from store.tier import DiskTier
 

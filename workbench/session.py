@@ -24,7 +24,8 @@ import torch
 from engine import EngineConfig, load_model
 from engine.model.loader import resolve_model
 from engine.cache.faults import DRILLS
-from engine.cache.prefix_cache import CacheConfig, PrefixCache, layout_fingerprint
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
 from engine.engine import Engine, Generation, SamplingParams, Timings
 from engine.events import CacheLookup
 from engine.tokenizer import StreamDecoder, load_tokenizer

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.cache.prefix_cache import CacheConfig, PrefixCache
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.state_table import SegmentRecord
 
 

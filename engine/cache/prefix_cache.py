@@ -2,10 +2,10 @@
 
     lookup(prompt)  PrefixIndex.match (logical hit) -> Validator.plan (usable hit, ReusePlan)
                     -> pin + version check -> assemble a ModelState (layer-4 buffer checks) -> event
-    writer(plan)    a per-request recorder: at every segment boundary the engine crosses it stores
-                    each layer's pieces (through the state interface only); at the request's end
-                    it keeps boundary snapshots (checkpoints) only every K segments, at the request
-                    end and at the branch point, and drops the rest
+    writer(plan)    a per-request recorder (writer.py) that stores each segment the request crosses
+                    and keeps checkpoints only where they will be wanted
+
+Its settings are a CacheConfig (config.py).
 
 Nothing here knows a model family: pieces are (layer, kind) -> states.Piece, and a missing kind
 is routed by kind (recovery.py).
@@ -20,90 +20,27 @@ import random
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from engine.cache.config import CacheConfig
+from engine.cache.gdn_state import GDNState, sketch, unsketch
 from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
-from engine.cache.recovery import GROUPS, group_of
+from engine.cache.recovery import group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import StateTable
-from engine.cache.gdn_state import GDNState, sketch, unsketch
 from engine.cache.states import ModelState, Piece
-from engine.cache.replay import ReplayPolicy
 from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator, check_buffer
+from engine.cache.writer import RequestWriter
 from engine.events import CacheLookup
 from engine.model.weights_digest import tensors_digest
 from engine.metrics import CacheMetrics
 
 READ_AHEAD = 32  # segments a fetch asks the lower tier for at once (one query each for rows and blobs)
 LAYOUT_VERSION = 2  # bump when a state piece's layout changes (2: GDN decay statistics)
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 64
-    budget_bytes: int = 1 << 30  # device tier
-    host_budget_bytes: int = 0  # host tier: device records are demoted here before they are evicted
-    group_budgets: tuple[tuple[str, int], ...] = ()  # per cache group, e.g. (("recurrent", 64 << 20),)
-    checkpoint_every: int = 4  # boundary snapshots kept every K segments (plus request ends, branch points)
-    checkpoint_request_end: bool = True  # keep the last boundary a request wrote
-    checkpoint_branch_point: bool = True  # keep the first boundary a request wrote (where it left the cache)
-    checkpoint_tail: int = 3  # and every one of the last K boundaries before the prompt's end (an edit near it) ...
-    # ... of a request that computes at least this many prompt tokens: each kept boundary is a prefill
-    # stop, and a chunk's attention over the whole cache runs less efficiently in smaller pieces (3
-    # stops: +14% on a 300-token turn after 8K on the vs-llama.cpp model, +1% on an 8K prompt)
-    checkpoint_tail_min: int = 4096
-    # every K segments an int8 sketch of each GDN state (~1/4 of its bytes) where no exact
-    # snapshot is kept: an approximate replay may restart from it instead of zero, its certified
-    # error the sketch's own times the decay since (0: none; the exact policy never reads them)
-    sketch_every: int = 0
-    reuse: str = "exact"  # "exact" | "approximate" (Tail-Replay, labelled) | "off"
-    replay_budget: float | None = 0.05  # approximate: tokens a GDN replay may take (fraction of the match if < 1)
-    replay_tolerance: float | None = None  # approximate, adaptive: per layer the shortest replay within this bound
-    # exact: a GDN replay of a whole match from its start (exact: the state there is zero), over its
-    # cached KV, costs about `exact_replay_cost` of recomputing it; when the nearest checkpoint
-    # leaves more than that share to recompute, the replay is taken instead (False: checkpoints only)
-    exact_replay: bool = True
-    exact_replay_cost: float | None = None  # None: the share of layers a replay runs (through the last GDN one)
-    max_pending_recoveries: int = 4  # admission cap: reuses in flight that still need recovery
-    recovery_budget_tokens: int = 1 << 16  # admission cap: tokens those may recompute, together
-    static: bool = False  # static execution: freeze the cache topology, check it on every replay
-    lower_deadline_s: float = 1.0  # a lower-tier (disk) read must arrive within this ...
-    lower_deadline_per_token_s: float = 1e-4  # ... plus this per prompt token
-    shadow_fraction: float = 0.0  # share of hits recomputed cold and compared (shadow verification)
-    # states made by a deterministic engine (EngineConfig.deterministic: one token a step): a file
-    # of them has its own fingerprint, so batched and bit-exact states never mix
-    deterministic: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if self.checkpoint_every < 1:
-            raise ValueError("checkpoint_every must be >= 1")
-        if self.sketch_every < 0:
-            raise ValueError("sketch_every must be >= 0 (0: no sketches)")
-        if self.checkpoint_tail < 0 or self.checkpoint_tail_min < 0:
-            raise ValueError("checkpoint_tail and checkpoint_tail_min must be >= 0")
-        if not 0.0 <= self.shadow_fraction <= 1.0:
-            raise ValueError("shadow_fraction must be in [0, 1]")
-        unknown = sorted({g for g, _ in self.group_budgets} - set(GROUPS))
-        if unknown:
-            raise ValueError(f"unknown cache groups {unknown}; groups: {', '.join(GROUPS)}")
-        if self.exact_replay_cost is not None and not 0 < self.exact_replay_cost <= 1:
-            raise ValueError("exact_replay_cost must be in (0, 1], or None (from the model)")
-        if self.reuse not in ("exact", "approximate", "off"):
-            raise ValueError(f"reuse must be 'exact', 'approximate' or 'off', got {self.reuse!r}")
-        self.replay_policy  # checks the budget and tolerance
-
-    @property
-    def replay_policy(self) -> ReplayPolicy:
-        if self.reuse != "approximate":
-            return ReplayPolicy()
-        return ReplayPolicy("approximate", self.replay_budget, self.replay_tolerance)
 
 
 def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
@@ -477,125 +414,6 @@ class PrefixCache:
 
     def writer(self, plan: ReusePlan, ticket: int | None = None) -> RequestWriter:
         return RequestWriter(self, plan, ticket)
-
-
-class RequestWriter:
-    """Records one request's segments as the engine crosses their boundaries."""
-
-    def __init__(self, cache: PrefixCache, plan: ReusePlan, ticket: int | None = None):
-        self.cache = cache
-        self.ticket = ticket
-        self.parent = plan.keys[-1] if plan.keys else ROOT
-        self.next_index = plan.usable_tokens // cache.block_size
-        self.prompt_end = plan.prompt_tokens // cache.block_size * cache.block_size
-        self.first: bytes | None = None  # the branch point: the first boundary whose snapshots we added
-        self.prompt_end_key: bytes | None = None  # the prompt's last whole segment: resent prompts resume here
-        # (key, segment index, the snapshot pieces we added there): finish drops only what this
-        # request added, never a checkpoint another request kept at the same boundary
-        self.captured: list[tuple[bytes, int, frozenset]] = []
-        self.exact = plan.exact  # what follows an approximate resume is approximate too
-        self.replayed: bytes | None = None  # the boundary an exact replay ended at, kept as a checkpoint
-        # the dense tail before the prompt's end, for a request with a long prompt part only
-        cfg = cache.config
-        self.tail = cfg.checkpoint_tail if self.prompt_end - plan.usable_tokens >= cfg.checkpoint_tail_min else 0
-        self.sketch_every = cfg.sketch_every if self.exact else 0  # (a sketch of an approximate state: no)
-
-    def next_stop(self, seq_len: int) -> int:
-        """The next boundary after seq_len whose snapshots this request will keep: the branch
-        point (its first boundary), every K-th segment, each of the last `checkpoint_tail`
-        boundaries before the prompt's end (when this request computes at least
-        `checkpoint_tail_min` prompt tokens), and that end. Prefill runs in chunks up to these
-        stops only; segments in between get their per-segment pieces when the next stop is reached."""
-        cfg = self.cache.config
-        b, every = self.cache.block_size, cfg.checkpoint_every
-        nxt = (seq_len // b + 1) * b
-        stops = [(seq_len // (b * every) + 1) * b * every]
-        if self.sketch_every:
-            stops.append((seq_len // (b * self.sketch_every) + 1) * b * self.sketch_every)
-        if self.first is None and cfg.checkpoint_branch_point:
-            stops.append(nxt)
-        if self.prompt_end > seq_len:
-            stops.append(self.prompt_end)
-            if self.tail:
-                stops.append(max(nxt, self.prompt_end - self.tail * b))
-        return min(stops)
-
-    def capture(self, state: ModelState, tokens: Sequence[int]) -> None:
-        """Register every whole segment up to state.seq_len (a multiple of the block size): each
-        with its per-segment pieces, the last one also with the state's snapshots."""
-        if self.cache.config.reuse == "off" or self.next_index < 0:
-            return
-        b = self.cache.block_size
-        hi = state.seq_len
-        last = hi // b - 1
-        while 0 <= self.next_index <= last:
-            j = self.next_index
-            node = self.cache.index.insert(self.parent, j, tokens[j * b:(j + 1) * b])
-            if node is None:  # collision: the chain stops here for this request
-                self.next_index = -1
-                return
-            self.next_index += 1
-            self.parent = node.key
-            if (j + 1) * b == self.prompt_end:
-                self.prompt_end_key = node.key
-            before = self.cache.table.get(node.key)
-            had = set(before.pieces) if before is not None else set()
-            sketch_here = {"sketches": True} if j == last and self.sketch_every and (j + 1) % self.sketch_every == 0 \
-                else {}
-            pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
-                      for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=j == last,
-                                                      **(sketch_here if isinstance(layer, GDNState) else {})).items()}
-            self.cache.table.put(node.key, j, self.cache.layout, pieces, exact=self.exact)
-            added = frozenset(k for k, p in pieces.items() if not p.per_segment and k not in had)
-            if added:
-                self.captured.append((node.key, j, added))
-                if self.first is None:
-                    self.first = node.key
-
-    def capture_replayed(self, state: ModelState) -> None:
-        """After an exact replay over the usable prefix (state.seq_len, a boundary): that boundary's
-        record keeps the rebuilt GDN snapshots, so the next request resuming there replays nothing."""
-        if self.cache.config.reuse == "off" or not self.exact or self.parent == ROOT:
-            return
-        b = self.cache.block_size
-        j = state.seq_len // b - 1
-        pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
-                  for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=True).items() if not piece.per_segment}
-        self.cache.table.put(self.parent, j, self.cache.layout, pieces, exact=True)
-        self.replayed = self.parent
-
-    def finish(self) -> None:
-        """Keep boundary snapshots only every K segments, at the request end, at the branch point
-        (the first boundary this request wrote) and, for a long prompt part, at the last
-        `checkpoint_tail` boundaries before the prompt's end (so an edit near it, a new question
-        after a document, replays at most one segment); drop the others it wrote."""
-        if self.ticket is not None:
-            self.cache.admission.release(self.ticket)
-            self.ticket = None
-        if not self.captured:
-            self.cache.save()
-            return
-        cfg = self.cache.config
-        every = cfg.checkpoint_every
-        keep = {self.replayed} if self.replayed is not None else set()
-        if cfg.checkpoint_branch_point and self.first is not None:
-            keep.add(self.first)
-        if cfg.checkpoint_request_end:
-            keep.add(self.captured[-1][0])
-            if self.prompt_end_key is not None:
-                keep.add(self.prompt_end_key)
-        tail_from = self.prompt_end - self.tail * self.cache.block_size
-        for key, j, added in self.captured:
-            end = (j + 1) * self.cache.block_size
-            if not (key in keep or (j + 1) % every == 0 or (self.tail and tail_from <= end < self.prompt_end)):
-                self.cache.table.drop(key, lambda layer, kind, piece: (layer, kind) in added and kind != "sketch")
-            # a sketch beside an exact checkpoint (ours or another request's) would never be read
-            rec = self.cache.table.get(key) if cfg.sketch_every else None
-            if rec is not None:
-                exact = {layer for (layer, kind) in rec.pieces if kind == "recurrent"}
-                self.cache.table.drop(key, lambda layer, kind, piece: kind == "sketch" and layer in exact)
-        # the end of every turn: what was answered is on the lower tier before the next one
-        self.cache.save()
 
 
 def _to(data, device):
