@@ -1,37 +1,24 @@
 """`hcw chat --plain`: a line-based REPL over ChatSession that pipes and scripts can drive.
 
-A line is a user message, or a /command (the TUI's command palette has the same ones). Each
-answer streams as it is generated, followed by one status line: the validator's outcome for the
-prompt, tokens reused, TTFT and decode speed. With --json every answer is one JSON object instead.
+A line is a user message, or a /command (workbench/commands.py: the TUI's prompt and command
+palette have the same ones). Each answer streams as it is generated, followed by one status line:
+the validator's outcome for the prompt, tokens reused, TTFT and decode speed. With --json every
+answer is one JSON object instead. Piped, the exit code is 1 when any line failed, and stderr
+says how many did.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
+import re
 import sqlite3
+import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from workbench.session import ChatSession, TurnResult, fault_names
-
-HELP = """commands:
-  /help                      this list
-  /history                   the current branch, numbered
-  /branches                  every branch of this conversation
-  /branch [NAME]             a new branch from the last message
-  /fork N [NAME]             a new branch from message N
-  /edit N TEXT               replace user message N on a new branch and answer it again
-  /switch NAME               make another branch current
-  /resume ID                 continue a stored conversation
-  /segments                  the segment state table of this branch
-  /plan                      the last lookup: validation layers, plan, outcome
-  /fault NAME                damage this conversation's cached state (see /faults)
-  /faults                    the fault drills
-  /save                      write cached segments to disk now
-  /stats                     hit rate, degraded hits, TTFT, tokens/s, memory
-  /quit                      leave (every answered turn is already saved)"""
-
+from workbench import commands
+from workbench.commands import Run
+from workbench.session import ChatSession, TurnResult
 
 def status_line(r: TurnResult) -> str:
     outcome = r.lookup.outcome if r.lookup else "cache off"
@@ -49,43 +36,58 @@ def status_line(r: TurnResult) -> str:
     return "[" + " · ".join(parts) + "]"
 
 
-def describe_plan(r: TurnResult | None) -> list[str]:
-    """The validation panel, as text lines."""
+# the validator's four layers (engine/cache/validation.py): name, what each checks
+LAYERS = {1: ("alignment", "only whole segments, their tokens compared with the prompt's, are reused"),
+          2: ("kernel interface", "every record was written under the current layout fingerprint"),
+          3: ("group intersection", "usable up to the boundary that every state kind of every layer reaches"),
+          4: ("byte alignment", "at assembly: dtype, shape, strides, contiguity, 16-byte base of each buffer")}
+
+
+def _reasons(r: TurnResult) -> list[str]:
+    """The lookup's failures, one each: a re-plan reason joins the abandoned plans' with '; '."""
+    return [part for reason in r.lookup.reasons
+            for part in re.split(r"; (?=layer \d:|a record changed)", reason) if part]
+
+
+def describe_plan(r: TurnResult | None, explain: bool = False) -> list[str]:
+    """The validation panel, as text lines: outcome, the four layers by name (pass, or FAIL and
+    why), notes, and one line per object of the plan; `explain` adds what each layer checks."""
+    key = [f"  layer {n} {name}: {checks}" for n, (name, checks) in LAYERS.items()] if explain else []
     if r is None or r.lookup is None:
-        return ["no lookup yet (or the cache is off)"]
+        return ["no lookup yet (or the cache is off)"] + (["what each layer checks:", *key] if explain else [])
     plan = r.lookup.plan
     lines = [f"outcome: {r.lookup.outcome}{'' if plan.exact else ' (approximate)'}",
              f"logical hit {plan.logical_tokens} tokens · usable {plan.usable_tokens} · prompt {plan.prompt_tokens}"]
-    for layer in (1, 2, 3, 4):
-        failed = [f for f in r.lookup.reasons if f.startswith(f"layer {layer}:")]
-        lines.append(f"layer {layer}: " + ("FAIL " + "; ".join(f.split(':', 1)[1].strip() for f in failed)
-                                           if failed else "pass"))
-    other = [f for f in r.lookup.reasons if not f.startswith("layer ")]
-    lines += [f"note: {f}" for f in other]
+    reasons = _reasons(r)
+    for layer, (name, _) in LAYERS.items():
+        failed = [f.split(":", 1)[1].strip() for f in reasons if f.startswith(f"layer {layer}:")]
+        lines.append(f"layer {layer} {name}: " + ("FAIL " + "; ".join(failed) if failed else "pass"))
+    lines += [f"note: {f}" for f in reasons if not f.startswith("layer ")]
     lines += [f"note: {n}" for n in plan.notes]
     for o in plan.objects:
         kind = f"{len(o.kind.split(','))} state kinds" if "," in o.kind else o.kind
         where = f"tokens [{o.tokens[0]}, {o.tokens[1]})" + (f" layers {list(o.layers)}" if o.layers else "")
         lines.append(f"  {o.action.value:<9} {kind:<14} {where} {o.path or ''} {o.reason or ''}".rstrip())
-    return lines
+    return lines + (["what each layer checks:", *key] if explain else [])
 
 
 def run_plain(session: ChatSession, lines, out: TextIO, as_json: bool = False,
-              prompt: Callable[[], None] | None = None) -> int:
-    """Drive `session` from `lines` (an iterable of input lines); returns an exit code."""
+              prompt: Callable[[], None] | None = None, err: TextIO | None = None) -> int:
+    """Drive `session` from `lines` (an iterable of input lines); returns an exit code: 1 when any
+    line (a turn or a command) failed, after saying on `err` (stderr) how many did."""
     last: TurnResult | None = None
 
     def say(text: str) -> None:
         out.write(text + "\n")
         out.flush()
 
-    def answer(run) -> None:
+    def answer(run: Run) -> None:
         nonlocal last
         if as_json:
-            last = run(None)
+            last = run(None, None)
             say(json.dumps({"type": "turn", "branch": session.thread.name, **last.as_dict()}))
             return
-        last = run(lambda delta: (out.write(delta), out.flush()))
+        last = run(lambda delta: (out.write(delta), out.flush()), None)
         say("")
         say(status_line(last))
 
@@ -93,125 +95,46 @@ def run_plain(session: ChatSession, lines, out: TextIO, as_json: bool = False,
         say(f"hcw chat · conversation {session.conversation.id} · branch {session.thread.name} · /help for commands")
     for warning in session.warnings():
         say(json.dumps({"type": "warning", "warning": warning}) if as_json else f"warning: {warning}")
-    errors = 0
+    failed = done = 0
     for raw in lines:
         if prompt is not None:
             prompt()
         line = raw.rstrip("\n")
         if not line.strip():
             continue
+        done += 1
         try:
             if not line.startswith("/"):
-                answer(lambda on_text: session.send(line, on_text))
+                answer(lambda on_text, should_stop: session.send(line, on_text, should_stop))
                 continue
             if _command(session, line, say, answer, lambda: last, as_json):
                 break
         except (ValueError, KeyError, IndexError) as e:
-            errors += 1
+            failed += 1
             msg = e.args[0] if e.args else str(e)
             say(json.dumps({"type": "error", "error": msg}) if as_json else f"error: {msg}")
         except sqlite3.Error as e:  # the workbench file itself failed (damaged, full, locked)
-            errors += 1
+            failed += 1
             msg = f"workbench database: {type(e).__name__}: {e}"
             say(json.dumps({"type": "error", "error": msg}) if as_json else f"error: {msg}")
     session.close()
-    # a script reads the exit code: 1 when any line was refused or failed
-    return 1 if errors else 0
+    # a script reads the exit code: 1 when any line was refused or failed; stderr says how many
+    # (stdout stays the answers, or one JSON object a line)
+    if failed:
+        print(f"hcw chat: {failed} of {done} line(s) failed", file=err or sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 def _command(session: ChatSession, line: str, say, answer, last, as_json: bool) -> bool:
-    """Run one /command; True means quit."""
-    try:
-        parts = shlex.split(line[1:])
-    except ValueError as e:
-        raise ValueError(f"cannot parse the command: {e}") from None
-    cmd, args = (parts[0].lower(), parts[1:]) if parts else ("help", [])
-
-    def emit(kind: str, payload, text_lines: list[str]) -> None:
-        if as_json:
-            say(json.dumps({"type": kind, **payload} if isinstance(payload, dict) else {"type": kind, "items": payload}))
-        else:
-            for t in text_lines:
-                say(t)
-
-    if cmd in ("quit", "exit", "q"):
+    """Run one /command from the table (workbench/commands.py); True means quit."""
+    command, args = commands.parse(line)
+    if command.quits:
         return True
-    if cmd == "help":
-        say(HELP)
-    elif cmd == "history":
-        path = session.path()
-        emit("history", [{"index": i, "role": m.role, "content": m.content,
-                          "incomplete": bool(m.meta.get("incomplete"))} for i, m in enumerate(path)],
-             [f"{i:>3} {m.role:<9} {m.content[:100]!r}" + ("  (incomplete: interrupted)" if m.meta.get("incomplete")
-                                                             else "") for i, m in enumerate(path)])
-    elif cmd == "branches":
-        threads = session.store.threads(session.conversation.id)
-        emit("branches", [{"id": t.id, "name": t.name, "current": t.id == session.thread.id} for t in threads],
-             [f"{'*' if t.id == session.thread.id else ' '} {t.name} ({t.id})" for t in threads])
-    elif cmd == "branch":
-        t = session.fork(None, args[0] if args else None)
-        emit("branch", {"branch": t.name, "id": t.id}, [f"on new branch {t.name}"])
-    elif cmd == "fork":
-        if not args:
-            raise ValueError("usage: /fork N [NAME]")
-        t = session.fork(_int(args[0]), args[1] if len(args) > 1 else None)
-        emit("branch", {"branch": t.name, "id": t.id}, [f"on new branch {t.name}"])
-    elif cmd == "edit":
-        if len(args) < 2:
-            raise ValueError("usage: /edit N TEXT")
-        session.edit(_int(args[0]), " ".join(args[1:]))
-        answer(lambda on_text: session.regenerate(on_text))
-    elif cmd == "switch":
-        if not args:
-            raise ValueError("usage: /switch NAME")
-        t = session.switch(args[0])
-        emit("branch", {"branch": t.name, "id": t.id}, [f"on branch {t.name}"])
-    elif cmd == "resume":
-        if not args:
-            raise ValueError("usage: /resume ID")
-        session.resume(args[0])
-        emit("resume", {"conversation": session.conversation.id, "branch": session.thread.name},
-             [f"resumed {session.conversation.id} on branch {session.thread.name}"])
-    elif cmd == "segments":
-        rows = session.segments()
-        emit("segments", [{"index": r.index, "tokens": list(r.tokens), "tier": r.tier, **r.presence,
-                           "on_disk": r.on_disk, "exact": r.exact} for r in rows], _segment_lines(rows))
-    elif cmd == "plan":
-        r = last()
-        emit("plan", r.as_dict() if r else {}, describe_plan(r))
-    elif cmd == "fault":
-        if not args:
-            raise ValueError("usage: /fault NAME (see /faults)")
-        n = session.fault(args[0])
-        emit("fault", {"fault": args[0], "damaged": n}, [f"fault {args[0]}: {n} piece(s) damaged; "
-                                                         "the next turn's /plan shows what the validator did"])
-    elif cmd == "faults":
-        names = fault_names()
-        emit("faults", names, names)
-    elif cmd == "save":
-        n = session.save()
-        emit("save", {"segments": n}, [f"saved {n} segment(s)"])
-    elif cmd == "stats":
-        stats = session.stats.as_dict()
-        emit("stats", stats, [f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in stats.items()])
-    else:
-        raise ValueError(f"unknown command /{cmd}; /help lists them")
+    reply = command.handler(commands.Context(session, answer, last), args)
+    if reply is not None:
+        if as_json:
+            say(json.dumps(reply.as_json()))
+        else:
+            for text in reply.lines:
+                say(text)
     return False
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected a message number, got {text!r}") from None
-
-
-def _segment_lines(rows) -> list[str]:
-    if not rows:
-        return ["no cached segments on this branch yet"]
-    cols = list(rows[0].presence)
-    head = f"{'seg':>4} {'tokens':>13} {'tier':<7} " + " ".join(f"{c:<10}" for c in cols) + " disk  exact"
-    body = [f"{r.index:>4} {f'{r.tokens[0]}-{r.tokens[1]}':>13} {r.tier:<7} "
-            + " ".join(f"{'yes' if r.presence[c] else '-':<10}" for c in cols)
-            + f" {'yes' if r.on_disk else '-':<5} {'exact' if r.exact else 'approx'}" for r in rows]
-    return [head, *body]
