@@ -15,7 +15,7 @@ import pytest
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
 from workbench.remote import RemoteSession
 from workbench.session import ChatOptions, ChatSession
-from workbench.tui.app import ChatApp
+from workbench.tui.app import NARROW, ChatApp
 from workbench.tui.branches import BranchTree
 from workbench.tui.conversation import ConversationView, MessageView
 from workbench.tui.segments import SegmentTable
@@ -46,6 +46,12 @@ async def _say(app: ChatApp, pilot, text: str) -> None:
     await pilot.pause()
 
 
+async def _until_answering(app: ChatApp, pilot) -> None:
+    """Until the answer of the turn in flight has streamed some text."""
+    while app.busy and not (app._stream_text or app._stream_view.source):
+        await pilot.pause(0.01)
+
+
 def _paced(app: ChatApp, seconds: float) -> None:
     """The worker waits `seconds` after each delta it hands over, so that a test watching an answer
     stream sees it stream however fast this machine generates (a slower one only takes longer)."""
@@ -62,6 +68,11 @@ def _text(widget) -> str:
     return str(widget.render())
 
 
+def _logged(app: ChatApp) -> str:
+    """The log pane's text, its wrapped lines joined again."""
+    return "".join(line.text for line in app.log_view.lines)
+
+
 @pytest.mark.parametrize("remote", [False, True], ids=["in-process", "engine-process"])
 def test_turns_update_every_pane(model_dir, tmp_path, remote):
     async def scenario():
@@ -70,24 +81,27 @@ def test_turns_update_every_pane(model_dir, tmp_path, remote):
             await _say(app, pilot, FACT)
             views = list(app.query(MessageView))
             assert [v.has_class(r) for v, r in zip(views, ("system", "user", "assistant"))] == [True] * 3
-            assert "outcome: miss" in _text(app.query_one(ValidationPanel))
+            assert "outcome: miss" in app.validation.text
             assert app.query_one(SegmentTable).row_count == len(app.session.segments()) > 0
             await _say(app, pilot, "What is the code for Mira?")
-            panel = _text(app.query_one(ValidationPanel))
-            assert "outcome: hit" in panel and "layer 3: pass" in panel
+            panel = app.validation.text
+            assert "outcome: hit" in panel and "layer 3 group intersection: pass" in panel
             assert "turns 2 · hit rate 50%" in _text(app.query_one(StatsBar))
             assert len(app.query(MessageView)) == 5
             assert app.query(MessageView)[-1].source == app.session.path()[-1].content
 
             await _say(app, pilot, "/fault evict-compressed")
             await _say(app, pilot, "And again?")
-            panel = _text(app.query_one(ValidationPanel))
-            assert "FAIL" in panel and "compressed" in panel
+            panel = app.validation.text
+            assert "layer 3 group intersection: FAIL" in panel and "compressed" in panel
 
             await _say(app, pilot, "/branch side")
             assert app.session.thread.name == "side"
-            labels = [str(n.label) for n in app.query_one(BranchTree).root.children[0].children]
-            assert labels  # the system message has children in the tree
+            tree = app.query_one(BranchTree)
+            await pilot.pause()
+            # both branches' tips are the last message; the cursor follows the current one
+            assert "◀ main" in str(tree.tip.label) and "◀ side" in str(tree.tip.label)
+            assert tree.cursor_node is tree.tip
     asyncio.run(scenario())
 
 
@@ -101,6 +115,7 @@ def test_quit_while_generating_cancels_first_and_keeps_the_partial_answer(model_
         app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=20000, ignore_eos=True)
         async with app.run_test(size=(160, 50)) as pilot:
             app.run_command(FACT)
+            await _until_answering(app, pilot)  # (a turn cancelled before its first token keeps no answer)
             await pilot.press("ctrl+q")
             while app.busy:  # the turn ends (cancelled), then the app exits (which cancels the worker object)
                 await pilot.pause(0.02)
@@ -112,6 +127,7 @@ def test_quit_while_generating_cancels_first_and_keeps_the_partial_answer(model_
     assert [m.role for m in path] == ["system", "user", "assistant"]
     assert json.loads(again.store.db.execute("SELECT meta FROM messages WHERE id = ?",
                                              [path[-1].id]).fetchone()[0])["stop_reason"] == "cancelled"
+    again.close()  # (one left open slowed the later tests' generation ~60x)
 
 
 def test_an_edit_from_the_prompt_shows_the_new_answer(model_dir, tmp_path):
@@ -136,16 +152,20 @@ def test_escape_cancels_and_quit_keeps_answered_turns(model_dir, tmp_path):
         async with app.run_test(size=(160, 50)) as pilot:
             await _say(app, pilot, FACT)
             app.run_command("Tell me more.")
+            await _until_answering(app, pilot)
             app.action_cancel()
             await app.workers.wait_for_complete()
-            await pilot.pause()
+            while app.busy:  # the turn's end reaches the UI thread after the worker finishes
+                await pilot.pause(0.02)
             assert app.last.stop_reason == "cancelled" and len(app.last.token_ids) < 200
+            assert app.query(MessageView)[-1].border_title.endswith("cancelled")  # labelled where it is shown
             await pilot.press("ctrl+q")
         return app.session.conversation.id
 
     conversation = asyncio.run(scenario())
     again = ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, session=conversation))
     assert [m.role for m in again.path()] == ["system", "user", "assistant", "user", "assistant"]
+    again.close()  # (one left open slowed the later tests' generation ~60x)
 
 
 def test_typing_works_while_an_answer_streams(model_dir, tmp_path):
@@ -175,7 +195,7 @@ def test_typing_works_while_an_answer_streams(model_dir, tmp_path):
                 if condition():
                     return
                 await pilot.pause(0.02)
-            raise AssertionError("the app never got there")
+            raise AssertionError(f"the app never got there: busy {app.busy}, {len(deltas)} deltas, {shown()} shown")
 
         def shown() -> int:
             return len(app.query(MessageView)[-1].source)
@@ -392,24 +412,76 @@ def _pin_screen(monkeypatch):
     monkeypatch.setattr(app_module, "stats_line", timeless(app_module.stats_line))
 
 
-@pytest.mark.parametrize("screen", ["hit", "fault-and-branch"])
-def test_the_workbench_after_turns_snapshot(model_dir, tmp_path, monkeypatch, snap_compare, screen):
-    """The main screens after real turns: a miss then a hit (every pane filled in); a fault drill
-    that fails validation layer 3, then a branch (two tips in the tree)."""
+async def _assert_every_pane_readable(app: ChatApp, pilot) -> None:
+    """From the widgets, not the picture: every pane has its title on screen (its border's, and its
+    tab's when the panes are tabs), can be seen at a readable size, and every segment column fits
+    without scrolling sideways; the prompt's placeholder and every footer key are whole."""
+    from textual.widgets import Tabs
+    from textual.widgets._footer import FooterKey
+
+    from workbench.tui.app import PANES
+    from workbench.tui.segments import COLUMNS
+
+    width, height = app.size
+    narrow = width < NARROW
+    assert app.screen.has_class("-narrow") == narrow
+    tabs = app.query_one(Tabs)
+    assert tabs.display == narrow
+    if narrow:
+        assert [str(t.label) for t in tabs.query("Tab")] == list(PANES.values())
+        assert all(t.region.right <= width and t.region.height for t in tabs.query("Tab"))  # every tab label whole
+    for pane, title in PANES.items():
+        widget = app.query_one(f"#{pane}")
+        if narrow:  # one pane at a time: each shown in turn, across the whole width
+            tabs.active = f"tab-{pane}"
+            await pilot.pause()
+        assert widget.border_title == title and widget.styles.border_top[0]  # a border, so the title is drawn
+        region = widget.region
+        assert region.width >= (width if narrow else 58) and region.height >= 5, (pane, region)
+        assert app.screen.region.contains_region(region), (pane, region)
+        if pane == "segments":
+            table = app.query_one(SegmentTable)
+            assert [c.value for c in table.columns] == list(COLUMNS)
+            assert table.virtual_size.width <= table.scrollable_content_region.width, "a column is cut"
+            assert table.max_scroll_x == 0 and table.row_count == len(app.session.segments())
+        if pane == "validation":
+            assert all(name in widget.text for name in ("alignment", "kernel interface", "group intersection",
+                                                         "byte alignment"))
+            assert widget.max_scroll_y == 0 or widget.show_vertical_scrollbar  # more than fits: a scrollbar says so
+        if pane == "branches":
+            assert widget.tip is not None and widget.cursor_node is widget.tip
+            assert widget.scroll_y <= widget.cursor_line < widget.scroll_y + widget.scrollable_content_region.height
+    if narrow:
+        tabs.active = "tab-conversation"
+        await pilot.pause()
+    prompt = app.query_one("#prompt")
+    assert prompt.region.width >= len(prompt.placeholder) + 4
+    keys = list(app.query(FooterKey))
+    assert keys and all(k.region.right <= width for k in keys)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 50)], ids=["80x24", "120x40", "200x50"])
+def test_the_workbench_after_turns_snapshot(model_dir, tmp_path, monkeypatch, snap_compare, size):
+    """The main screen after real turns at three terminal sizes: a miss, a hit, a fault drill that
+    fails validation layer 3 (group intersection) on the next turn, then a branch (two tips). Below
+    NARROW columns the panes are tabs; the picture shows the conversation's."""
     _pin_screen(monkeypatch)
     app = _app(model_dir, tmp_path / "turns.db")
+    checked = []
 
     async def turns(pilot):
         app.query_one("#prompt").cursor_blink = False  # a blinking cursor would make the picture racy
         await _say(app, pilot, FACT)
         await _say(app, pilot, "What is the code for Mira?")
-        if screen == "fault-and-branch":
-            await _say(app, pilot, "/fault evict-compressed")
-            await _say(app, pilot, "And again?")
-            await _say(app, pilot, "/branch side")
-            await _say(app, pilot, "Another question.")
+        await _say(app, pilot, "/fault evict-compressed")
+        await _say(app, pilot, "And again?")
+        assert "layer 3 group intersection: FAIL" in app.validation.text
+        await _say(app, pilot, "/branch side")
+        await _assert_every_pane_readable(app, pilot)
+        checked.append(True)
         await pilot.pause()
-    assert snap_compare(app, terminal_size=(150, 45), run_before=turns)
+    assert snap_compare(app, terminal_size=size, run_before=turns)
+    assert checked
 
 
 def test_the_segment_table_updates_rows_in_place_adds_and_removes():
@@ -436,7 +508,7 @@ def test_the_segment_table_updates_rows_in_place_adds_and_removes():
             await pilot.pause()
             assert sorted(k.value for k in table.rows) == ["0", "2", "3", "5"]
             assert [table.get_cell(k, "tier") for k in ("0", "2", "3", "5")] == ["host"] * 4
-            assert table.get_cell("5", "tokens") == "80–96" and table.border_subtitle == "4 segment(s)"
+            assert table.get_cell("5", "tokens") == "80–96" and table.summary == "4 segment(s)"
     asyncio.run(scenario())
 
 
@@ -469,3 +541,169 @@ def test_the_app_exits_saying_so_when_the_engine_process_dies(model_dir, tmp_pat
         return app.return_code
 
     assert asyncio.run(scenario()) == 1
+
+
+def test_command_output_opens_in_a_panel_that_scrolls_to_its_end(model_dir, tmp_path):
+    """A command's listing (/help, /segments, ...) is read in full in a scrollable panel at 80x24
+    (it was the last 2 lines of a 2-line box); a one-line reply goes to the log; Esc closes the
+    panel and the prompt has the keys again."""
+    from textual.containers import VerticalScroll
+
+    from workbench.commands import COMMANDS
+    from workbench.tui.output import OutputScreen
+
+    async def scenario():
+        app = _app(model_dir, tmp_path / "o.db")
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _say(app, pilot, "/help")
+            assert isinstance(app.screen, OutputScreen)
+            text = "\n".join(app.screen.lines)
+            assert all(c.usage in text for c in COMMANDS)
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, OutputScreen) and app.focused is app.prompt
+
+            await _say(app, pilot, FACT * 2)
+            await _say(app, pilot, "/segments")
+            rows = app.session.segments()
+            panel = app.screen.query_one(VerticalScroll)
+            assert len(app.screen.lines) == len(rows) + 1 > panel.size.height  # taller than the terminal
+            assert panel.max_scroll_y > 0
+            await pilot.press("end")
+            await pilot.pause()
+            assert panel.scroll_y == panel.max_scroll_y  # scrolled to the last row
+            await pilot.press("escape")
+            await _say(app, pilot, "/save")
+            assert not isinstance(app.screen, OutputScreen)
+            assert "saved" in _logged(app)
+    asyncio.run(scenario())
+
+
+def test_the_palette_holds_every_command_and_finds_help_and_segments(model_dir, tmp_path):
+    """Ctrl-P lists every command of the table; typing "help" or "segments" finds it; picking a
+    command runs it, and one that needs arguments is put in the prompt to complete."""
+    from textual.command import CommandList, CommandPalette
+
+    from workbench.commands import COMMANDS
+    from workbench.tui.output import OutputScreen
+
+    async def options(app, pilot, query: str, first: str | None = None) -> list[str]:
+        """What the palette lists for `query`, once it lists `first` first (or every command)."""
+        palette = app.screen
+        assert isinstance(palette, CommandPalette)
+        await pilot.press("ctrl+u", *query)  # typed, as a person would
+        listed: list[str] = []
+        for _ in range(250):  # the providers answer asynchronously
+            await pilot.pause(0.02)
+            found = palette.query_one(CommandList)
+            listed = [str(found.get_option_at_index(i).prompt) for i in range(found.option_count)]
+            if listed and listed[0].startswith(first) if first else \
+                    all(any(line.startswith(c.usage) for line in listed) for c in COMMANDS):
+                break
+        return listed
+
+    async def scenario():
+        app = _app(model_dir, tmp_path / "p.db")
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("ctrl+p")
+            await pilot.pause()
+            shown = await options(app, pilot, "")
+            assert all(any(line.startswith(c.usage) for line in shown) for c in COMMANDS), "\n".join(shown)
+            for query, first in (("help", "/help"), ("segments", "/segments"), ("fault evict", "/fault evict")):
+                assert (await options(app, pilot, query, first))[0].startswith(first)
+            await pilot.press("enter")  # the fault drill on an empty cache: refused, in the log
+            await pilot.pause()
+            assert "nothing of this conversation is cached" in _logged(app)
+
+            await pilot.press("ctrl+p")
+            await options(app, pilot, "segments", "/segments")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert isinstance(app.screen, OutputScreen) and app.screen.title == "/segments"
+            await pilot.press("escape")
+
+            await pilot.press("ctrl+p")
+            assert (await options(app, pilot, "fork", "/fork N"))[0].startswith("/fork N")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.prompt.value == "/fork " and app.focused is app.prompt
+    asyncio.run(scenario())
+
+
+def test_the_branch_tree_nests_forks_and_follows_the_tip(model_dir, tmp_path):
+    """A run of messages is one level; a fork nests its branches under the message they leave
+    from; the cursor follows the current branch's tip; choosing a tip switches to its branch."""
+    from workbench.tui.messages import BranchChosen
+
+    async def scenario():
+        app = _app(model_dir, tmp_path / "b.db")
+        async with app.run_test(size=(120, 40)) as pilot:
+            await _say(app, pilot, FACT)
+            await _say(app, pilot, "/fork 0 other")  # a branch from the system message
+            await _say(app, pilot, "Something else.")
+            tree = app.query_one(BranchTree)
+            roots = tree.root.children
+            assert [str(n.label) for n in roots] == [str(roots[0].label)] and roots[0].allow_expand
+            main, other = roots[0].children  # the fork: each branch's first message, the rest under it
+            assert str(main.label).startswith("1 U The code for Mira") and len(main.children) == 1
+            assert str(other.label).startswith("1 U Something else.") and len(other.children) == 1
+            assert tree.tip is other.children[0] and "◀ other" in str(tree.tip.label)
+            await pilot.pause()
+            assert tree.cursor_node is tree.tip and str(tree.tip.label).startswith("2 A")
+            await _say(app, pilot, "/switch main")
+            await pilot.pause()
+            assert "◀ main" in str(tree.tip.label) and tree.cursor_node is tree.tip
+            tips = [n for n in _nodes(tree.root) if n.data and n is not tree.tip]
+            assert len(tips) == 1 and "◀ other" in str(tips[0].label)
+            tree.post_message(BranchChosen(tips[0].data))
+            await pilot.pause()
+            await pilot.pause()
+            assert app.session.thread.name == "other"
+    asyncio.run(scenario())
+
+
+def _nodes(node):
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children)
+
+
+def test_set_from_the_prompt_changes_the_next_turn_and_lists_the_options(model_dir, tmp_path):
+    from workbench.session import SETTABLE
+    from workbench.tui.output import OutputScreen
+
+    async def scenario():
+        app = _app(model_dir, tmp_path / "s.db", remote=True)  # the option reaches the engine's process
+        async with app.run_test(size=(120, 40)) as pilot:
+            await _say(app, pilot, "/set")
+            assert isinstance(app.screen, OutputScreen) and all(n in "\n".join(app.screen.lines) for n in SETTABLE)
+            await pilot.press("escape")
+            await _say(app, pilot, "/set max_new_tokens 2")
+            assert app.session.opts.max_new_tokens == 2
+            await _say(app, pilot, "/set temperature hot")
+            assert "error: /set temperature: 'hot' is not a value" in _logged(app)
+            await _say(app, pilot, FACT)
+            assert len(app.last.token_ids) <= 2
+    asyncio.run(scenario())
+
+
+def test_a_long_plan_scrolls_in_the_validation_panel_and_is_never_cut(model_dir, tmp_path):
+    """The panel holds every line of the plan (it cut them at 14 lines); when they are more than
+    its height it scrolls, and a scrollbar says there is more."""
+    from workbench.plain import describe_plan
+
+    async def scenario():
+        app = _app(model_dir, tmp_path / "v.db")
+        async with app.run_test(size=(120, 30)) as pilot:
+            await _say(app, pilot, FACT)
+            await _say(app, pilot, "/fault evict-compressed")
+            await _say(app, pilot, "And again?")
+            panel = app.validation
+            assert panel.text == "\n".join(describe_plan(app.last))
+            assert panel.max_scroll_y > 0 and panel.show_vertical_scrollbar
+            panel.scroll_end(animate=False)
+            await pilot.pause()
+            assert panel.scroll_y == panel.max_scroll_y
+    asyncio.run(scenario())

@@ -9,7 +9,8 @@ from textual.widgets import Static
 
 from workbench.session import TurnResult
 
-WIDTH = 28
+WIDTH = 20  # characters of a gauge
+TURNS = 5  # resumes shown
 
 
 def split(result: TurnResult) -> tuple[int, int, int]:
@@ -21,13 +22,18 @@ def split(result: TurnResult) -> tuple[int, int, int]:
 
 
 class ReplayBudget(Static):
+    """The last TURNS resumes, one line each, over the legend."""
+
     def __init__(self, **kw):
-        super().__init__(**kw)
         self.turns: list[TurnResult] = []
+        super().__init__(self.render_turns(), **kw)  # (update() needs a running app; the first text does not)
 
     def add(self, result: TurnResult) -> None:
-        self.turns = (self.turns + [result])[-6:]
-        text = Text()
+        self.turns = (self.turns + [result])[-TURNS:]
+        self.update(self.render_turns())
+
+    def render_turns(self) -> Text:
+        text = Text("no turn yet\n" if not self.turns else "")
         for i, r in enumerate(self.turns):
             reused, recovered, new = split(r)
             total = max(1, r.prompt_tokens)
@@ -46,4 +52,4 @@ class ReplayBudget(Static):
         text.append(" + ")
         text.append("recovered", style="yellow")
         text.append(" + new / prompt tokens")
-        self.update(text)
+        return text

@@ -54,12 +54,12 @@ class ConversationView(VerticalScroll):
             if view.streamed:
                 view.update(m.content)
                 view.streamed = False
+                view.border_title = _title(keep, m.role, m.meta)
             keep += 1
         for view in views[keep:]:
             view.remove()
         if keep < len(messages):
-            self.mount_all([self._view(i, m.role, m.content, incomplete=bool(m.meta.get("incomplete")))
-                            for i, m in enumerate(messages) if i >= keep])
+            self.mount_all([self._view(i, m.role, m.content, meta=m.meta) for i, m in enumerate(messages) if i >= keep])
         # to the end when messages changed (a switch, an edit, a new turn shown); after a turn whose
         # answer is already on screen, only if the pane was following it, not while the user reads
         if keep < len(views) or keep < len(messages) or self.scroll_y >= self.max_scroll_y - 1:
@@ -72,8 +72,14 @@ class ConversationView(VerticalScroll):
         return view
 
     @staticmethod
-    def _view(index: int, role: str, text: str, streamed: bool = False, incomplete: bool = False) -> MessageView:
+    def _view(index: int, role: str, text: str, streamed: bool = False, meta: dict | None = None) -> MessageView:
         view = MessageView(text, role, streamed)
-        # an answer the process was killed in the middle of: what had streamed, kept and labelled
-        view.border_title = f"{index} · {role}" + (" · incomplete (interrupted)" if incomplete else "")
+        view.border_title = _title(index, role, meta or {})
         return view
+
+
+def _title(index: int, role: str, meta: dict) -> str:
+    """'3 · assistant', labelled when the answer is not whole: the process was killed in the middle
+    of it (what had streamed is kept), or Esc cancelled it."""
+    return f"{index} · {role}" + (" · incomplete (interrupted)" if meta.get("incomplete") else
+                                  " · cancelled" if meta.get("stop_reason") == "cancelled" else "")

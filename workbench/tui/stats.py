@@ -1,4 +1,5 @@
-"""The stats bar: hit rate, degraded-hit rate, TTFT, tokens/s, process and device memory."""
+"""The stats bar: turns (and cancelled ones), hit rate, degraded-hit rate, TTFT, tokens/s, process and
+device memory."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from textual.widgets import Static
 
 
 def stats_line(stats: dict) -> str:
-    return (f"turns {stats['turns']} · hit rate {stats['hit_rate']:.0%} · degraded {stats['degraded_rate']:.0%} · "
+    cancelled = f" (+{stats['cancelled']} cancelled)" if stats.get("cancelled") else ""
+    return (f"turns {stats['turns']}{cancelled} · hit rate {stats['hit_rate']:.0%} · "
+            f"degraded {stats['degraded_rate']:.0%} · "
             f"TTFT {stats['ttft_ms']:.0f} ms · {stats['tokens_per_s']:.1f} tok/s · "
             f"RSS {stats['rss_mb']:.0f} MiB · device {stats['device_mb']:.0f} MiB")
 
