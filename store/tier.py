@@ -99,6 +99,12 @@ class DiskTier:
         self.db["models"].upsert({"fingerprint": fingerprint.hex(), "config": json.dumps(config, default=str),
                                   "created": now()}, pk="fingerprint")
 
+    def flush(self) -> bool:
+        return True  # the LowerTier protocol: every save is written when it returns
+
+    def take_failures(self) -> list[tuple[bytes, str]]:
+        return []  # a save reports its own failure
+
     def has(self, key: bytes) -> bool:
         return self.db.execute("SELECT 1 FROM segments WHERE key = ?", [key.hex()]).fetchone() is not None
 

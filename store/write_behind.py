@@ -34,8 +34,28 @@ class WriteBehind:
         self._thread.start()
         self._ready.wait()
 
-    def __getattr__(self, name):  # db, path, has, failures, read_hook, register_model: the tier's
-        return getattr(self.tier, name)
+    # ---- the tier's own, read on the caller's connection ----------------------------------------
+    @property
+    def db(self):
+        return self.tier.db
+
+    @property
+    def path(self) -> Path:
+        return self.tier.path
+
+    @property
+    def layout(self) -> str:
+        return self.tier.layout
+
+    @property
+    def failures(self) -> dict[str, int]:
+        return self.tier.failures
+
+    def has(self, key: bytes) -> bool:
+        return self.tier.has(key)
+
+    def register_model(self, fingerprint: bytes, config: dict) -> None:
+        self.tier.register_model(fingerprint, config)
 
     @property
     def read_hook(self):  # the fault-injection seam of reads, on the caller's connection

@@ -131,6 +131,15 @@ class MemoryTier:
             return None, "missing: no segment row"
         return {k: (p, _copy(d), pos) for k, (p, d, pos) in row[3].items()}, ""
 
+    def load_many(self, keys, deadline=None):
+        return (self.load(key, deadline) for key in keys)
+
+    def flush(self) -> bool:
+        return True  # every save is done when it returns
+
+    def take_failures(self) -> list:
+        return []  # a save reports its own failure
+
 
 def _copy(data):
     if isinstance(data, tuple):

@@ -19,7 +19,7 @@ import json
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 from typing import Protocol
 
@@ -80,14 +80,27 @@ def _parse_row(row: dict, block_size: int) -> tuple[bytes, bytes, int, list[int]
 
 
 class LowerTier(Protocol):
-    """A slower tier behind the table (store.tier.DiskTier). Plain values only: a piece is
-    (per_segment, data, position); failures come back as (None, reason), never as exceptions."""
+    """A slower tier behind the table (store.tier.DiskTier, store.write_behind.WriteBehind,
+    faults.MemoryTier). Plain values only: a piece is (per_segment, data, position); failures come
+    back as values, (None, "kind: detail") or (False, "kind: detail"), never as exceptions.
 
-    # merges `pieces` into what the tier holds for the key; (True, "") or (False, reason)
+    The cache's obligations: it hands over pieces it will not change (the tier may keep them
+    until written) and calls `flush` before it reports a turn saved; `take_failures` after a
+    flush names the segments that did not reach the disk, which the cache then forgets."""
+
     def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
-             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> tuple[bool, str]: ...
-    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]: ...
-    def segments(self) -> list[dict]: ...
+             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> tuple[bool, str]:
+        """Merge `pieces` into what the tier holds for the segment: (True, "") or (False, why)."""
+    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
+        """One segment's pieces, verified, or (None, why) (also when `deadline` passed)."""
+    def load_many(self, keys: list[bytes], deadline: float | None = None) -> Iterator[tuple[dict | None, str]]:
+        """`load` of each key, in order, lazily: a tier may read them a query at a time."""
+    def segments(self) -> list[dict]:
+        """Every segment row as the tier holds it (key, parent, idx, tokens), damaged ones too."""
+    def flush(self) -> bool:
+        """Wait until every save handed over is written; False if that is not possible."""
+    def take_failures(self) -> list[tuple[bytes, str]]:
+        """The saves that failed since the last call, once each: (key, why)."""
 
 
 class PrefixCache:
@@ -186,7 +199,6 @@ class PrefixCache:
             held = self.table.get(node.key)
             return held is None or not (held.exact or self.config.reuse == "approximate")
 
-        many = getattr(self.lower, "load_many", None)  # a tier that reads many segments per query
         ahead, unread = iter(()), set()  # results read ahead, in order; the keys not taken from them yet
         for i, node in enumerate(segments):
             if not missing(node):
@@ -202,7 +214,7 @@ class PrefixCache:
                 result = self.lower.load(node.key, deadline)
             else:
                 keys = list(itertools.islice((n.key for n in segments[i:] if missing(n)), READ_AHEAD))
-                loads = many(keys, deadline) if many is not None else (self.lower.load(k, deadline) for k in keys)
+                loads = self.lower.load_many(keys, deadline)  # a query for many segments, where the tier can
                 ahead, unread = zip(keys, loads), set(keys)
                 _, result = next(ahead)
                 unread.discard(node.key)
@@ -227,14 +239,13 @@ class PrefixCache:
             if node is None or not rec.exact or self.persisted.get(rec.key) == rec.version:
                 continue
             n += self._save_record(rec, node)
-        if hasattr(self.lower, "flush"):  # a write-behind tier: what was answered is on disk before we return
-            self.lower.flush()
-            self._forget_failed_writes()
+        self.lower.flush()  # what was answered is on disk before we return
+        self._forget_failed_writes()
         return n
 
     def _forget_failed_writes(self) -> None:
         """Segments a write-behind tier failed to write are neither in memory nor on disk: not hits."""
-        for key, why in self.lower.take_failures() if hasattr(self.lower, "take_failures") else ():
+        for key, why in self.lower.take_failures() if self.lower is not None else ():
             self.persisted.pop(key, None)
             self.metrics.lower_failures["save: " + why.split(":", 1)[0]] += 1
             if key not in self.table:
