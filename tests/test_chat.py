@@ -230,7 +230,10 @@ def test_hcw_chat_in_a_real_terminal(model_dir, tmp_path):
     name = f"hcw-test-{tmp_path.name}"
     hcw = [sys.executable, "-m", "workbench.cli"]
     cmd = " ".join(hcw + ["chat", "--model", str(model_dir), "--db", str(tmp_path / "t.db"), "--max-new-tokens", "4"])
-    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "160", "-y", "45", cmd], check=True)
+    # the size in the environment too: a pytest run can hold COLUMNS/LINES, which tmux passes on and
+    # Textual trusts over the terminal's own
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "160", "-y", "45", "-e", "COLUMNS=160", "-e",
+                    "LINES=45", cmd], check=True)
 
     def screen() -> str:
         return subprocess.run(["tmux", "capture-pane", "-t", name, "-p"], capture_output=True, text=True).stdout
