@@ -7,6 +7,7 @@ each new token id as soon as it is sampled.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,8 +45,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
-        if not self.greedy and self.temperature <= 0:
-            raise ValueError("temperature must be > 0 (use greedy for argmax decoding)")
+        if not self.greedy and not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError("temperature must be a number > 0 (use greedy for argmax decoding)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
 
@@ -207,17 +208,17 @@ class Engine:
             return started
         try:
             self._recover_and_prefill(started, should_stop)
+            if plan.usable_tokens and plan.exact and self.cache.should_shadow():  # approximate plans differ by design
+                cold = Engine(self.model, self.config).start(fed)
+                if not self.cache.metrics.record_shadow((started.logits - cold.logits).abs().max().item()):
+                    # the hit disagreed with a cold prefill: answer from the cold state, forget the records
+                    for key in plan.keys:
+                        self.cache.table.remove(key)
+                        self.cache.index.remove(key)
+                    started.logits, started.state = cold.logits, cold.state
         except BaseException:
             writer.finish()  # the admission ticket back; what was captured stays cached
             raise
-        if plan.usable_tokens and plan.exact and self.cache.should_shadow():  # approximate plans differ by design
-            cold = Engine(self.model, self.config).start(fed)
-            if not self.cache.metrics.record_shadow((started.logits - cold.logits).abs().max().item()):
-                # the hit disagreed with a cold prefill: answer from the cold state, forget the records
-                for key in plan.keys:
-                    self.cache.table.remove(key)
-                    self.cache.index.remove(key)
-                started.logits, started.state = cold.logits, cold.state
         return started
 
     def _recover_and_prefill(self, started: Started, should_stop: Callable[[], bool] | None) -> None:
@@ -255,7 +256,8 @@ class Engine:
             run = self.start(prompt_ids, state, should_stop=should_stop)
         except Cancelled:
             timings.prompt_ms = 1000 * (time.perf_counter() - t0)
-            plan = self.cache.events[-1].plan if self.cache is not None and self.cache.events else None
+            # a lookup ran (and was the last event) only when no state was given
+            plan = self.cache.events[-1].plan if state is None and self.cache is not None and self.cache.events else None
             return Generation([], "cancelled", timings, None, plan)
         state, logits = run.state, run.logits
         prompt_logits = logits

@@ -62,10 +62,12 @@ def test_a_cancel_stops_a_long_prefill_within_one_chunk_and_the_cache_stays_exac
     assert r.cancelled and r.token_ids == [] and r.text == ""
     stats = s.stats.as_dict()
     assert stats["cancelled"] == 1 and stats["turns"] == 0 and stats["hits"] + stats["misses"] == 0
+    # no answer, no turn: the thread is as it was, so the next message follows the last answer
+    assert r.message is None and s.path()[-1].role == "system"
     # the admission ticket came back and what the cut-short prefill cached is exact
-    again = s.regenerate()
+    again = s.send(LONG)
     assert not again.cancelled and again.text == s.cold_answer()
-    assert s.stats.as_dict()["turns"] == 1
+    assert s.stats.as_dict()["turns"] == 1 and [m.role for m in s.path()] == ["system", "user", "assistant"]
 
 
 def test_tokens_per_second_is_over_the_sessions_decoded_tokens(model_dir, tmp_path):
@@ -101,17 +103,38 @@ def test_set_changes_sampling_for_the_turns_that_follow_and_refuses_bad_values(m
 
 def test_an_answer_says_its_conversation_branch_model_and_llama_cpp_timings(model_dir, tmp_path):
     s = _session(model_dir, tmp_path / "a.db")
-    d = s.send("hello there").as_dict()
+    r = s.send("hello there")
+    d = r.as_dict()
+    assert d["predicted_n"] == len(r.token_ids) + (r.stop_reason == "stop")  # the end token is not in the text
     assert d["conversation"] == s.conversation.id and d["branch"] == "main" and d["model"] == model_dir.name
     assert d["prompt_n"] == d["prompt_tokens"] and d["cache_n"] == d["cached_tokens"]
-    assert d["predicted_n"] == len(s.send("again").token_ids) or d["predicted_n"] > 0
     assert d["prompt_ms"] > 0 and d["predicted_ms"] > 0 and d["predicted_per_second"] > 0
 
 
 def test_bad_options_are_refused_when_the_session_is_made(model_dir, tmp_path):
-    for kw in ({"temperature": 0.0}, {"top_p": 0.0}, {"session": "abc", "continue_last": True}):
+    for kw in ({"temperature": 0.0, "greedy": False}, {"temperature": float("nan"), "greedy": False},
+               {"top_p": 0.0}, {"seed": 2**64}, {"session": "abc", "continue_last": True}):
         with pytest.raises(ValueError):
             ChatOptions(model=model_dir, db=tmp_path / "x.db", **kw)
+    ChatOptions(model=model_dir, db=tmp_path / "x.db", temperature=0.0)  # greedy: the temperature is not used
+    s = _session(model_dir, tmp_path / "n.db")
+    for value in ("nan", "inf", "-1"):
+        with pytest.raises(ValueError, match="/set temperature"):
+            s.set_option("temperature", value)
+    with pytest.raises(ValueError, match="/set seed"):
+        s.set_option("seed", str(2**64))
+
+
+def test_resuming_another_conversation_at_once_leaves_no_empty_one(model_dir, tmp_path):
+    db = tmp_path / "r.db"
+    s = _session(model_dir, db)
+    s.send("hello there")
+    kept = s.conversation.id
+    s.close()
+    s = _session(model_dir, db)
+    s.resume(kept)
+    s.close()
+    assert [c["id"] for c in Conversations(open_db(db)).recent()] == [kept]
 
 
 def test_a_chat_nobody_wrote_in_leaves_no_conversation_and_continue_takes_the_last(model_dir, tmp_path):
@@ -131,3 +154,18 @@ def test_a_chat_nobody_wrote_in_leaves_no_conversation_and_continue_takes_the_la
     assert s.conversation.id == second and s.path()[-2].content == "Another chat"
     s.close()
     assert [c["id"] for c in Conversations(open_db(db)).recent()] == [second, first]
+
+
+def test_a_replay_restart_before_the_first_turn_continues_the_same_conversation(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    script = tmp_path / "restart.jsonl"
+    script.write_text("\n".join(json.dumps(s) for s in (
+        {"op": "config", "model": "hcw-tiny", "max_new_tokens": 3}, {"op": "restart"},
+        {"op": "user", "text": "hello"})) + "\n")
+    res = CliRunner().invoke(app, ["replay", str(script), "--db", str(tmp_path / "r.db")])
+    assert res.exit_code == 0, res.output

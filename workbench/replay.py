@@ -142,7 +142,7 @@ def run_steps(session: ChatSession, steps: list[tuple[int, dict]], start: int = 
         counter.doing(f"line {no}: {op}")
         try:
             if op == "restart":
-                session.close()
+                session.close(keep_empty=True)  # the new process continues this conversation, empty or not
                 results.append(StepResult(no, op, True,
                                           f"conversation {session.conversation.id} continues in a new process"))
                 return results, i + 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sqlite3
 import sys
 import time
@@ -143,10 +144,12 @@ class ChatOptions:
             raise ValueError("max_new_tokens must be >= 1")
         if self.decode_threads is not None and self.decode_threads < 1:
             raise ValueError("decode_threads must be >= 1")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not self.greedy and not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a number > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.continue_last and self.session:
             raise ValueError("give --session or --continue, not both")
         if self.prefill_chunk_size < 1:
@@ -305,6 +308,8 @@ class ChatSession:
                           replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance,
                           deterministic=opts.deterministic)
         self.tier = WriteBehind(opts.db, layout_fingerprint(self.model, cfg))  # spills never block decoding
+        self.conversation = None
+        self._created: str | None = None  # the conversation this session began (forgotten at close if empty)
         try:
             self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
             self.engine = Engine(self.model, EngineConfig(dtype=self.model.dtype, device=str(self.model.device),
@@ -322,6 +327,7 @@ class ChatSession:
             else:
                 self.conversation, self.thread = self.store.create(model=self.tier.layout, system=opts.system,
                                                                      model_name=self.model_name)
+                self._created = self.conversation.id
         except BaseException:
             with contextlib.suppress(sqlite3.Error, OSError):  # the error being raised is the one to see
                 self.tier.close()  # its writer thread and connections
@@ -351,11 +357,14 @@ class ChatSession:
         tip = self.store.thread(self.thread.id).tip
         self.store.append(self.thread.id, "user", text, tokens=len(self.tok.encode(text)))
         try:
-            return self._answer(on_text, should_stop)
+            result = self._answer(on_text, should_stop)
         except BaseException:
             # no answer, no turn: the thread goes back to where it was (the row stays, on no path)
             self.store.set_tip(self.thread.id, tip)
             raise
+        if result.message is None:  # cancelled before the answer began: the turn is undone too, so
+            self.store.set_tip(self.thread.id, tip)  # the next message never follows a user turn
+        return result
 
     def regenerate(self, on_text=None, should_stop=None) -> TurnResult:
         """Answer the thread's last user message again (after an edit or a switch, or in place
@@ -408,7 +417,7 @@ class ChatSession:
                 "cached_tokens": lookup.plan.usable_tokens if lookup else 0,
                 "exact": lookup.plan.exact if lookup else True}
         message = None
-        if out or stop_reason != "cancelled":  # cancelled before its first token: no answer to keep
+        if out or stop_reason != "cancelled":  # cancelled before its first token: no answer (send undoes the turn)
             try:
                 message = self.store.append(self.thread.id, "assistant", text, tokens=len(answer_ids), meta=meta,
                                             replaces=draft.id)
@@ -535,6 +544,8 @@ class ChatSession:
         if not threads:
             raise ValueError(f"conversation {found.id} has no usable branch; `hcw inspect --verify` names the damage")
         self.store.path(threads[0].id)
+        if found.id != getattr(self.conversation, "id", None):
+            self._forget_if_empty()  # a chat begun and left for another at once leaves nothing
         self.conversation, self.thread = found, threads[0]
 
     def warnings(self) -> list[str]:
@@ -579,11 +590,19 @@ class ChatSession:
                                    rec.last_access_step if rec else -1))
         return rows
 
-    def close(self) -> None:
-        """Save the cache, forget a conversation nobody wrote in, close the file."""
+    def close(self, keep_empty: bool = False) -> None:
+        """Save the cache, forget the conversation this session began if nobody wrote in it
+        (unless `keep_empty`: another process continues it), close the file."""
         try:
             self.save()
-            with contextlib.suppress(sqlite3.Error):  # a damaged file keeps it: `hcw inspect` lists it
-                self.store.delete_if_empty(self.conversation.id)
+            if not keep_empty:
+                self._forget_if_empty()
         finally:
             self.tier.close()
+
+    def _forget_if_empty(self) -> None:
+        """The conversation this session created, deleted if it holds no message but the system one."""
+        if self._created is not None:
+            with contextlib.suppress(sqlite3.Error):  # a damaged file keeps it: `hcw inspect` lists it
+                self.store.delete_if_empty(self._created)
+            self._created = None
