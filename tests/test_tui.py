@@ -707,3 +707,34 @@ def test_a_long_plan_scrolls_in_the_validation_panel_and_is_never_cut(model_dir,
             await pilot.pause()
             assert panel.scroll_y == panel.max_scroll_y
     asyncio.run(scenario())
+
+
+def test_the_screen_is_up_before_the_engine_has_loaded_the_model(model_dir, tmp_path):
+    """`hcw chat` starts the engine's process and draws at once: the app says the model is
+    loading, keeps a message entered meanwhile and answers it once the engine is ready; an engine
+    that cannot start ends the app with its error (exit code 1)."""
+    async def scenario():
+        opts = ChatOptions(model=model_dir, db=tmp_path / "l.db", block_size=16, max_new_tokens=4)
+        app = ChatApp(RemoteSession(opts, wait=False))
+        async with app.run_test(size=(120, 40)) as pilot:
+            assert app.loading and not app.session.ready  # drawn while the child imports and loads
+            app.run_command("hello")  # entered while loading: kept, and answered once the engine is ready
+            await pilot.pause()
+            assert not app.busy and "loading" in _logged(app) and "still loading" in _logged(app)
+            while app.loading or app.busy or app.last is None:
+                await pilot.pause(0.05)
+            assert app.last.message is not None and [m.content for m in app.session.path()][-2] == "hello"
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        (bad / "config.json").write_text((model_dir / "config.json").read_text())
+        (bad / "model.safetensors").write_bytes(b"\x00" * 4)  # weights the child cannot read
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (model_dir / name).exists():
+                (bad / name).write_text((model_dir / name).read_text())
+        broken = ChatApp(RemoteSession(ChatOptions(model=bad, db=tmp_path / "b.db"), wait=False))
+        async with broken.run_test(size=(120, 40)) as pilot:
+            while broken.return_code is None:
+                await pilot.pause(0.05)
+        return broken.return_code
+
+    assert asyncio.run(scenario()) == 1

@@ -301,7 +301,8 @@ def chat(
     """Chat with a model: the Textual workbench on a terminal, a line-based REPL otherwise. Every
     turn is saved in the workbench file (--db; default $HCW_HOME/hcw.db, without HCW_HOME
     ~/.local/share/hcw/hcw.db) as it is answered."""
-    from engine.config import ConfigError
+    from engine.config import ConfigError, ModelConfig
+    from engine.model.loader import resolve_model
     from workbench.remote import EngineProcessError, RemoteSession
     from workbench.session import ChatOptions, ChatSession, parse_budget
 
@@ -319,8 +320,14 @@ def chat(
                            replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
                            sketch_every=gdn_sketches, deterministic=deterministic, **given)
         line_based = plain or as_json or not sys.stdin.isatty()
-        # the workbench generates in a process of its own, so that drawing never holds up decoding
-        chat_session = ChatSession(opts) if line_based else RemoteSession(opts)
+        if line_based:
+            chat_session = ChatSession(opts)
+        else:
+            # the workbench generates in a process of its own, so that drawing never holds up
+            # decoding; the screen is drawn while that process loads the model (what it may still
+            # refuse, the app then says and exits 1); a folder that is no model is refused here
+            ModelConfig.from_folder(resolve_model(model))
+            chat_session = RemoteSession(opts, wait=False)
     except (ConfigError, ValueError, KeyError, EngineProcessError) as e:
         _fail(e.args[0] if e.args else str(e))
     except (sqlite3.DatabaseError, OSError) as e:

@@ -47,9 +47,10 @@ def log_path(opts: ChatOptions) -> Path:
 class RemoteSession:
     """A ChatSession built from `opts` in a child process, used through the same interface. The
     constructor returns once the child's session exists (its model loaded), or raises what building
-    it raised; `close()` ends the child after its session is closed."""
+    it raised; with `wait=False` it returns at once and `wait_ready()` does that wait (the app draws
+    its screen meanwhile). `close()` ends the child after its session is closed."""
 
-    def __init__(self, opts: ChatOptions, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(self, opts: ChatOptions, start_timeout_s: float = START_TIMEOUT_S, wait: bool = True):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
         self._turns, turns_child = ctx.Pipe()
         self._control, control_child = ctx.Pipe()
@@ -66,11 +67,25 @@ class RemoteSession:
         self._seen = -1  # the newest snapshot of the child's session applied here
         self.store = _Forward(self, "store")
         self.stats = _Forward(self, "stats")
+        self.ready = False
+        self._pending_opts: ChatOptions | None = None
+        self._start_timeout_s = start_timeout_s
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the child's session is built, or raise what building it raised (the child
+        is then ended)."""
+        if self.ready:
+            return
         try:
-            self._reply(self._control, start_timeout_s)  # the session is built, or its error raised here
+            self._reply(self._control, self._start_timeout_s)  # the session is built, or its error raised here
         except BaseException:
             self._end()
             raise
+        self.ready = True
+        if self._pending_opts is not None:
+            self.opts, self._pending_opts = self._pending_opts, None
 
     # ---- attributes --------------------------------------------------------------------
     @property
@@ -79,6 +94,9 @@ class RemoteSession:
 
     @opts.setter
     def opts(self, opts: ChatOptions) -> None:
+        if not self.ready:  # sent once the child's session exists
+            self._opts, self._pending_opts = opts, opts
+            return
         self._request("set_opts", opts)
 
     @property
@@ -99,7 +117,7 @@ class RemoteSession:
 
     def close(self) -> None:
         """Closes the session in the child (its last writes flushed) and waits for it to end."""
-        if self._process.is_alive():
+        if self._process.is_alive() and self.ready:
             try:
                 self._request("close")
             except EngineProcessError:
@@ -108,12 +126,13 @@ class RemoteSession:
         self._end()
 
     def _end(self) -> None:
-        """The child gone (killed if it is still there) and reaped, the pipes closed."""
+        """The child gone (killed if it is still there) and reaped, the pipes closed (once)."""
         if self._process.is_alive():
             self._process.kill()
         self._process.join()
-        self._turns.close()
-        self._control.close()
+        if not self._turns.closed:
+            self._turns.close()
+            self._control.close()
 
     def _ended(self) -> EngineProcessError:
         self._process.join(1.0)  # its exit code, once it is reaped

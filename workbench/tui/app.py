@@ -110,6 +110,8 @@ class ChatApp(App):
         self.session = session
         self.cancel = threading.Event()
         self.busy = False
+        self.loading = False  # the engine's process is still building its session
+        self._queued: list[str] = []  # what was entered meanwhile, run in order once it is ready
         self.quitting = False
         self.last: TurnResult | None = None
         self._stream_lock = threading.Lock()
@@ -146,15 +148,42 @@ class ChatApp(App):
             self.query_one(f"#{pane}").border_title = title
         self.validation.show(None)
         self.show_pane("conversation")
+        self.prompt.focus()
+        if not getattr(self.session, "ready", True):  # a RemoteSession still loading: the screen first
+            self.loading = True
+            self.sub_title = f"loading {self.session.opts.model}…"
+            self.log_line(f"loading {self.session.opts.model} in the engine process…")
+            self.wait_for_engine()
+            return
+        self.engine_ready()
+
+    @work(thread=True, exclusive=True, group="engine")
+    def wait_for_engine(self) -> None:
+        try:
+            self.session.wait_ready()
+        except Exception as e:  # the engine could not start: said, and the app ends (exit code 1)
+            self.call_from_thread(self.exit, return_code=1, message=f"hcw chat: error: {e.args[0] if e.args else e}")
+            return
+        self.call_from_thread(self.engine_ready)
+
+    def engine_ready(self) -> None:
+        """The session exists: the panes show it, the timers start, the file's warnings are said."""
+        self.loading = False
         self.refresh_views(messages=True)
         self.set_interval(1.0, self.refresh_stats)
         self.set_interval(1 / STREAM_HZ, self.flush_stream)
-        self.prompt.focus()
         try:
             for warning in self.session.warnings():
                 self.notify(warning, severity="warning", timeout=30)
         except EngineProcessError as e:
             self.engine_lost(e)
+            return
+        if self._queued:  # the first line entered while loading; the rest wait their turn in the prompt
+            first, rest = self._queued[0], self._queued[1:]
+            self._queued = []
+            if rest:
+                self.prompt.value = rest[0]
+            self.run_command(first)
 
     # ---- panes -------------------------------------------------------------------------
     @property
@@ -222,6 +251,10 @@ class ChatApp(App):
 
     def run_command(self, text: str) -> None:
         """A message (answered in a worker) or a /command of the table."""
+        if self.loading:  # kept, and run the moment the engine is ready
+            self._queued.append(text)
+            self.log_line(f"the model is still loading: {text[:40]!r} runs when it is ready")
+            return
         if self.busy:
             self.log_line("still generating: Esc cancels")
             return
@@ -268,6 +301,7 @@ class ChatApp(App):
         self.start_turn(run, user=None)
 
     def start_turn(self, run: commands.Run, user: str | None) -> None:
+        self._turn_user = user
         view = self.conversation
         n = len(self.session.path())
         if user is not None:
@@ -320,6 +354,9 @@ class ChatApp(App):
         self.validation.show(result)
         self.budget.add(result)
         self.log_line(plain.status_line(result))
+        if result.message is None and getattr(self, "_turn_user", None):  # cancelled before the answer began
+            self.prompt.value = self._turn_user  # the turn was undone: the message is back to send again
+            self.log_line("cancelled before the answer began: the message is back in the prompt")
         self._after_turn()
 
     def turn_failed(self, error: Exception) -> None:
