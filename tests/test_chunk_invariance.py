@@ -209,7 +209,9 @@ def _pieces(engine: Engine, choices: Choices, ids: list[int], piece: int):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_deterministic_prefill_makes_every_choice_on_the_same_bits_however_it_is_chunked(name, tmp_path):
+def test_deterministic_prefill_makes_every_choice_on_the_same_bits_however_the_caller_splits_it(name, tmp_path):
+    """The caller's pieces of 3-70 tokens, each asked in chunks of its size (which bit-exact mode
+    overrides): every score and choice, and the logits, equal to the bit."""
     make, vocab, _ = MODELS[name]
     model = make(tmp_path)
     engine = Engine(model, EngineConfig(deterministic=True))

@@ -3,7 +3,7 @@
 A GDN layer's state at P is S_P. Replaying tokens [s, P) from a zero state (with the same
 inputs) leaves an error E_P = S_s * prod_{t=s}^{P-1} exp(g_t) (I - beta_t k_t k_t^T), and since
 k is unit-norm and 0 < beta < 1, |E_P|_F <= |S_s|_F * exp(sum_{t=s}^{P-1} g_t) <= N_{s-1} *
-exp(sum g), with N the norm bound every GDNState records per token (states.GDNState.record). So
+exp(sum g), with N the norm bound every GDNState records per token (gdn_state.GDNState.record). So
 from the cached per-token (g_t, N_t) of a prefix, the error of every possible replay start is
 known before replaying: `bounds`. The certificate is exact for the first GDN layer (its inputs
 are the exact embeddings and attention outputs over exact KV); deeper GDN layers see inputs that
@@ -12,7 +12,7 @@ the replay itself approximates, so for them it bounds the dropped contribution g
 The conv state (the last K-1 inputs) is rebuilt by starting the model K-1 tokens before the
 earliest recurrent reset: `warmup`.
 
-A restart from an int8 sketch of S_p (states.sketch) instead of zero leaves E = (S_p - sketch) *
+A restart from an int8 sketch of S_p (gdn_state.sketch) instead of zero leaves E = (S_p - sketch) *
 prod(...), so |E|_F <= err_p * exp(sum g), err_p the sketch's exact error: `Seeds`. The same
 caveat holds, and matters more because the bound is tight: it certifies the first GDN layer;
 deeper layers see inputs that the layers below perturb (after p by their sketch errors; before p
@@ -92,7 +92,7 @@ def bounds(decay: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Seeds:
-    """Int8 sketches of the GDN states at some boundaries (states.sketch): a replay may restart
+    """Int8 sketches of the GDN states at some boundaries (gdn_state.sketch): a replay may restart
     there from the sketch instead of zero, and its error at the end is then bounded by the
     sketch's exact error times the same decay product."""
 
