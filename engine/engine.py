@@ -46,7 +46,7 @@ class SamplingParams:
         if self.max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         if not self.greedy and not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError("temperature must be a number > 0 (use greedy for argmax decoding)")
+            raise ValueError("temperature must be > 0 and finite (use greedy for argmax decoding)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
 

@@ -145,7 +145,7 @@ class ChatOptions:
         if self.decode_threads is not None and self.decode_threads < 1:
             raise ValueError("decode_threads must be >= 1")
         if not self.greedy and not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be a number > 0, got {self.temperature}")
+            raise ValueError(f"temperature must be > 0 (and finite), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
