@@ -129,7 +129,9 @@ class ChatOptions:
     decode_threads: int | None = None  # torch intra-op threads while decoding (None: all); the TUI leaves the UI a core
     deterministic: bool = False  # bit-exact: prefill one token a step; the file keeps such states apart
     continue_last: bool = False  # resume the most recently updated conversation (`hcw chat -c`)
-    prefill_chunk_size: int = 512  # a cancel (Esc) is heard between two chunks of a prefill
+    # a cancel (Esc) is heard between two chunks of a prefill: 1024 tokens cost a 4K-token prompt nothing
+    # measurable on the built-in models against 2048 (512: 5-8% more)
+    prefill_chunk_size: int = 1024
 
     def __post_init__(self) -> None:
         if self.reuse not in REUSE_POLICIES:
