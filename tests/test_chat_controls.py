@@ -169,3 +169,17 @@ def test_a_replay_restart_before_the_first_turn_continues_the_same_conversation(
         {"op": "user", "text": "hello"})) + "\n")
     res = CliRunner().invoke(app, ["replay", str(script), "--db", str(tmp_path / "r.db")])
     assert res.exit_code == 0, res.output
+
+
+def test_verbose_prints_ollama_style_stats_for_each_answer_on_stderr_only(model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    args = ["chat", "--model", str(model_dir), "--db", str(tmp_path / "v.db"), "--plain", "--max-new-tokens", "3"]
+    res = CliRunner().invoke(app, args + ["--verbose"], input="hello\nagain\n")
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("prompt eval count:") == 2 and res.stderr.count("\neval rate:") == 2
+    assert "load duration:" in res.stderr and "cached tokens:" in res.stderr and "eval count" not in res.stdout
+    quiet = CliRunner().invoke(app, args, input="hello\n")
+    assert quiet.exit_code == 0 and "eval count" not in quiet.stderr

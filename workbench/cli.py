@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -297,6 +298,8 @@ def chat(
     plain: bool = typer.Option(False, "--plain", help="line-based REPL (also used when stdin is not a terminal)"),
     as_json: bool = typer.Option(False, "--json", help="plain mode: one JSON object per answer or command"),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
+    verbose: bool = typer.Option(False, "--verbose", help="plain mode: after each answer, Ollama-style stats "
+                                 "(load, prompt eval and eval counts and rates, cached tokens) on stderr"),
 ) -> None:
     """Chat with a model: the Textual workbench on a terminal, a line-based REPL otherwise. Every
     turn is saved in the workbench file (--db; default $HCW_HOME/hcw.db, without HCW_HOME
@@ -321,7 +324,9 @@ def chat(
                            sketch_every=gdn_sketches, deterministic=deterministic, **given)
         line_based = plain or as_json or not sys.stdin.isatty()
         if line_based:
+            t0 = time.perf_counter()
             chat_session = ChatSession(opts)
+            load_ms = 1000 * (time.perf_counter() - t0)
         else:
             # the workbench generates in a process of its own, so that drawing never holds up
             # decoding; the screen is drawn while that process loads the model (what it may still
@@ -335,7 +340,8 @@ def chat(
     if line_based:
         from workbench.plain import run_plain
 
-        raise typer.Exit(run_plain(chat_session, sys.stdin, sys.stdout, as_json))
+        raise typer.Exit(run_plain(chat_session, sys.stdin, sys.stdout, as_json,
+                                   verbose_load_ms=load_ms if verbose else None))
     from workbench.tui.app import ChatApp
 
     workbench = ChatApp(chat_session)

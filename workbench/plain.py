@@ -72,10 +72,20 @@ def describe_plan(r: TurnResult | None, explain: bool = False) -> list[str]:
 
 
 def run_plain(session: ChatSession, lines, out: TextIO, as_json: bool = False,
-              prompt: Callable[[], None] | None = None, err: TextIO | None = None) -> int:
+              prompt: Callable[[], None] | None = None, err: TextIO | None = None,
+              verbose_load_ms: float | None = None) -> int:
     """Drive `session` from `lines` (an iterable of input lines); returns an exit code: 1 when any
-    line (a turn or a command) failed, after saying on `err` (stderr) how many did."""
+    line (a turn or a command) failed, after saying on `err` (stderr) how many did. With
+    `verbose_load_ms` (the model's load time), each answer's Ollama-style stats go to `err`."""
     last: TurnResult | None = None
+
+    def verbose(result: TurnResult) -> None:
+        if verbose_load_ms is not None and result.timings is not None:
+            from workbench.generate import stats
+
+            t = result.as_dict()
+            (err or sys.stderr).write(stats(t, verbose_load_ms, t["prompt_ms"] + t["predicted_ms"]))
+            (err or sys.stderr).flush()
 
     def say(text: str) -> None:
         out.write(text + "\n")
@@ -86,10 +96,12 @@ def run_plain(session: ChatSession, lines, out: TextIO, as_json: bool = False,
         if as_json:
             last = run(None, None)
             say(json.dumps({"type": "turn", "branch": session.thread.name, **last.as_dict()}))
+            verbose(last)
             return
         last = run(lambda delta: (out.write(delta), out.flush()), None)
         say("")
         say(status_line(last))
+        verbose(last)
 
     if not as_json:
         say(f"hcw chat · conversation {session.conversation.id} · branch {session.thread.name} · /help for commands")
