@@ -21,6 +21,7 @@ import sqlite3
 import struct
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import sqlite_utils
 
@@ -84,6 +85,30 @@ def _presence(raw) -> dict[str, int] | None:
         if not (sep and kind and layer.isdigit() and type(count) is int and count >= 0):
             return None
     return presence
+
+
+class SegmentRow(NamedTuple):
+    """A segments row as a read takes it (`DiskTier._SEGMENT`'s columns after the key)."""
+
+    layout: str
+    tokens: bytes
+    digest: str
+    presence: str
+
+
+class BlobRow(NamedTuple):
+    """A blobs row as a read takes it (`DiskTier._BLOBS`'s columns after the segment)."""
+
+    layer: int
+    kind: str
+    part: int
+    per_segment: int
+    position: int
+    length: int
+    checksum: bytes
+    data: bytes
+    codec: str
+    members: str | None
 
 
 class DiskTier:
@@ -236,7 +261,7 @@ class DiskTier:
                     continue
                 yield self._counted(self._guarded(lambda key=key: self._decoded(key, rows.get(key), deadline, None)))
 
-    def _rows(self, keys: list[str]) -> dict[str, tuple[tuple, list[tuple]]]:
+    def _rows(self, keys: list[str]) -> dict[str, tuple[SegmentRow, list[BlobRow]]]:
         """key -> (segment row, its blob rows) for the segments of `keys` that exist, both queries
         in one read transaction: a save committed between them cannot pair a segment row with
         another version's blobs. A blob whose segment row is absent is left out (the key is a miss)."""
@@ -246,10 +271,10 @@ class DiskTier:
         if own:
             conn.execute("BEGIN")
         try:
-            out = {row[0]: (row[1:], []) for row in conn.execute(self._SEGMENT.format(marks), keys)}
+            out = {row[0]: (SegmentRow(*row[1:]), []) for row in conn.execute(self._SEGMENT.format(marks), keys)}
             for row in conn.execute(self._BLOBS.format(marks), keys):
                 if row[0] in out:
-                    out[row[0]][1].append(row[1:])
+                    out[row[0]][1].append(BlobRow(*row[1:]))
         finally:
             if own and conn.in_transaction:  # (SQLite may have ended it itself after an I/O error)
                 conn.execute("ROLLBACK")  # it only read; this ends it after an error too
@@ -258,22 +283,23 @@ class DiskTier:
     def _load(self, key: str, deadline: float | None, kinds: list[str] | None = None) -> dict:
         return self._decoded(key, self._rows([key]).get(key), deadline, kinds)
 
-    def _decoded(self, key: str, rows: tuple | None, deadline: float | None, kinds: list[str] | None) -> dict:
+    def _decoded(self, key: str, rows: tuple[SegmentRow, list[BlobRow]] | None, deadline: float | None, kinds: list[str] | None) -> dict:
         (presence, names, kinds), blobs = self._verified(key, rows, deadline, kinds)
         return self._assemble(presence, names, kinds, decode_many(blobs))
 
-    def _verified(self, key: str, rows: tuple | None, deadline: float | None, kinds: list[str] | None):
+    def _verified(self, key: str, rows: tuple[SegmentRow, list[BlobRow]] | None, deadline: float | None, kinds: list[str] | None):
         """The segment row and its blobs, each verified (length, checksum over blob and identity)
         before anything is decompressed: ((presence, names, kinds), blobs)."""
         if self.read_hook is not None and kinds is None:
             self.read_hook(key)
         if rows is None:
             raise DiskMiss("missing: no segment row")
-        (layout, tokens, digest, presence), blob_rows = rows
-        if layout != self.layout:
+        segment, blob_rows = rows
+        if segment.layout != self.layout:
             raise DiskMiss("fingerprint: written under another model or layout")
-        if checksum(tokens).hex() != digest:
+        if checksum(segment.tokens).hex() != segment.digest:
             raise DiskMiss("checksum: token ids do not match their digest")
+        presence = segment.presence
         names, blobs = [], []
         for layer, kind, part, per_segment, position, length, csum, data, codec, members in blob_rows:
             if kinds is not None and kind not in kinds:
