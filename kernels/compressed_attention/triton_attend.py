@@ -56,9 +56,9 @@ def _attend_kernel(q, keys, entries, selected, sink, out, q_start, key_start, wi
                               other=0.0).to(tl.float32)
                 b_m, b_l, b_acc = fold(b_q, b_x, b_x, m_e, b_m, b_l, b_acc, scale)
     b_sink = tl.load(sink + i_h).to(tl.float32)
-    m_new = tl.maximum(b_m, b_sink)
-    b_l = b_l * tl.exp(b_m - m_new) + tl.exp(b_sink - m_new)
-    b_acc = b_acc * tl.exp(b_m - m_new)
+    b_m_new = tl.maximum(b_m, b_sink)
+    b_l = b_l * tl.exp(b_m - b_m_new) + tl.exp(b_sink - b_m_new)
+    b_acc = b_acc * tl.exp(b_m - b_m_new)
     tl.store(out + (i_bt * H + i_h) * D + o_d, (b_acc / b_l).to(out.dtype.element_ty), mask=m_d)
 
 

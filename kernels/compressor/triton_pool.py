@@ -13,16 +13,16 @@ from kernels.dispatch import FLOATS, check, empty
 
 @triton.jit
 def _pool_kernel(kv, gate, out, W: tl.constexpr, D: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
-    e = tl.program_id(0)
-    offs_w = tl.arange(0, BW)
-    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    mask = (offs_w[:, None] < W) & (offs_d[None, :] < D)
-    offs = e * W * D + offs_w[:, None] * D + offs_d[None, :]
-    g = tl.load(gate + offs, mask=mask, other=-1e30).to(tl.float32)  # finite: padded lanes give 0, not NaN
-    x = tl.load(kv + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.exp(g - tl.max(g, axis=0)[None, :])
-    w = w / tl.sum(w, axis=0)[None, :]
-    tl.store(out + e * D + offs_d, tl.sum(w * x, axis=0).to(out.dtype.element_ty), mask=offs_d < D)
+    i_e = tl.program_id(0)
+    o_w = tl.arange(0, BW)
+    o_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    m_wd = (o_w[:, None] < W) & (o_d[None, :] < D)
+    p_x = i_e * W * D + o_w[:, None] * D + o_d[None, :]
+    b_g = tl.load(gate + p_x, mask=m_wd, other=-1e30).to(tl.float32)  # finite: padded lanes give 0, not NaN
+    b_x = tl.load(kv + p_x, mask=m_wd, other=0.0).to(tl.float32)
+    b_w = tl.exp(b_g - tl.max(b_g, axis=0)[None, :])
+    b_w = b_w / tl.sum(b_w, axis=0)[None, :]
+    tl.store(out + i_e * D + o_d, tl.sum(b_w * b_x, axis=0).to(out.dtype.element_ty), mask=o_d < D)
 
 
 def pool(win_kv: torch.Tensor, win_gate: torch.Tensor, block_d: int = 64) -> torch.Tensor:

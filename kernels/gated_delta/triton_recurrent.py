@@ -19,34 +19,34 @@ from kernels.dispatch import FLOATS, check, empty
 def _recurrent_kernel(q, k, v, g, beta, s0, out, s_out, T,
                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
-    pid = tl.program_id(0)
-    vb = tl.program_id(1)
-    b = pid // HV
-    h = pid % HV
-    hk = h // (HV // HK)
-    offs_k = tl.arange(0, BK)
-    offs_v = vb * BV + tl.arange(0, BV)
-    mk = offs_k < DK
-    mv = offs_v < DV
-    mkv = mk[:, None] & mv[None, :]
-    s_offs = (b * HV + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    i_bh = tl.program_id(0)
+    i_vb = tl.program_id(1)
+    i_b = i_bh // HV
+    i_h = i_bh % HV
+    i_k = i_h // (HV // HK)
+    o_k = tl.arange(0, BK)
+    o_v = i_vb * BV + tl.arange(0, BV)
+    m_k = o_k < DK
+    m_v = o_v < DV
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_s = (i_b * HV + i_h) * DK * DV + o_k[:, None] * DV + o_v[None, :]
     if HAS_S0:
-        s = tl.load(s0 + s_offs, mask=mkv, other=0.0).to(tl.float32)
+        b_s = tl.load(s0 + p_s, mask=m_kv, other=0.0).to(tl.float32)
     else:
-        s = tl.zeros([BK, BV], dtype=tl.float32)
-    for t in range(T):
-        row = b * T + t
-        kt = tl.load(k + (row * HK + hk) * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
-        qt = tl.load(q + (row * HK + hk) * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
-        vt = tl.load(v + (row * HV + h) * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
-        gt = tl.load(g + row * HV + h).to(tl.float32)
-        bt = tl.load(beta + row * HV + h).to(tl.float32)
-        s = s * tl.exp(gt)
-        u = (vt - tl.sum(s * kt[:, None], axis=0)) * bt  # the delta: what S does not predict yet
-        s = s + kt[:, None] * u[None, :]
-        o = tl.sum(s * qt[:, None], axis=0)
-        tl.store(out + (row * HV + h) * DV + offs_v, o.to(out.dtype.element_ty), mask=mv)
-    tl.store(s_out + s_offs, s, mask=mkv)
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_t in range(T):
+        row = i_b * T + i_t
+        b_k = tl.load(k + (row * HK + i_k) * DK + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = tl.load(q + (row * HK + i_k) * DK + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (row * HV + i_h) * DV + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + row * HV + i_h).to(tl.float32)
+        b_beta = tl.load(beta + row * HV + i_h).to(tl.float32)
+        b_s = b_s * tl.exp(b_g)
+        b_u = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * b_beta  # the delta: what S does not predict yet
+        b_s = b_s + b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)
+        tl.store(out + (row * HV + i_h) * DV + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    tl.store(s_out + p_s, b_s, mask=m_kv)
 
 
 def check_inputs(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, int, int]:

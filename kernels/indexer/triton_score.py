@@ -14,25 +14,25 @@ from kernels.dispatch import FLOATS, check, empty
 @triton.jit
 def _score_kernel(q, keys, w, pos, out, T, N, scale, rate,
                   H: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr, BDI: tl.constexpr, BN: tl.constexpr):
-    bt = tl.program_id(0)
-    b = bt // T
-    t = bt % T
-    offs_h = tl.arange(0, BH)
-    offs_d = tl.arange(0, BDI)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    mh = offs_h < H
-    md = offs_d < DI
-    mn = offs_n < N
-    qt = tl.load(q + (bt * H + offs_h[:, None]) * DI + offs_d[None, :], mask=mh[:, None] & md[None, :],
-                 other=0.0).to(tl.float32)  # [BH, BDI]
-    k = tl.load(keys + (b * N + offs_n[:, None]) * DI + offs_d[None, :], mask=mn[:, None] & md[None, :],
-                other=0.0).to(tl.float32)  # [BN, BDI]
-    wt = tl.load(w + bt * H + offs_h, mask=mh, other=0.0).to(tl.float32)  # [BH]
-    dots = tl.sum(qt[:, None, :] * k[None, :, :], axis=2)  # [BH, BN]
-    s = tl.sum(tl.maximum(dots, 0.0) * scale * wt[:, None], axis=0)  # [BN]
-    closed = offs_n < (tl.load(pos + t) + 1) // rate
-    s = tl.where(closed, s, float("-inf"))
-    tl.store(out + bt * N + offs_n, s, mask=mn)
+    i_bt = tl.program_id(0)
+    i_b = i_bt // T
+    i_t = i_bt % T
+    o_h = tl.arange(0, BH)
+    o_d = tl.arange(0, BDI)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_h = o_h < H
+    m_d = o_d < DI
+    m_n = o_n < N
+    b_q = tl.load(q + (i_bt * H + o_h[:, None]) * DI + o_d[None, :], mask=m_h[:, None] & m_d[None, :],
+                  other=0.0).to(tl.float32)  # [BH, BDI]
+    b_k = tl.load(keys + (i_b * N + o_n[:, None]) * DI + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
+                  other=0.0).to(tl.float32)  # [BN, BDI]
+    b_w = tl.load(w + i_bt * H + o_h, mask=m_h, other=0.0).to(tl.float32)  # [BH]
+    b_dots = tl.sum(b_q[:, None, :] * b_k[None, :, :], axis=2)  # [BH, BN]
+    b_s = tl.sum(tl.maximum(b_dots, 0.0) * scale * b_w[:, None], axis=0)  # [BN]
+    m_closed = o_n < (tl.load(pos + i_t) + 1) // rate
+    b_s = tl.where(m_closed, b_s, float("-inf"))
+    tl.store(out + i_bt * N + o_n, b_s, mask=m_n)
 
 
 def score(q, keys, weights, positions, rate: int, block_n: int = 32):

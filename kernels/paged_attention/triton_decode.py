@@ -51,9 +51,9 @@ def _paged_decode_kernel(q, k_pool, v_pool, table, lengths, out, scale, window, 
     m_d = o_d < D
     b_q = tl.load(q + (i_b * H + i_h) * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_m, b_l, b_acc = start(BD)
-    for j in range(lo // BS, tl.cdiv(n, BS)):
-        blk = tl.load(table + i_b * M + j).to(tl.int64)
-        pos = j * BS + o_s
+    for i_j in range(lo // BS, tl.cdiv(n, BS)):
+        blk = tl.load(table + i_b * M + i_j).to(tl.int64)
+        pos = i_j * BS + o_s
         m_s = (pos < n) & (pos >= lo)
         p_kv = ((blk * HKV + i_kv) * BS + o_s[:, None]) * D + o_d[None, :]
         m_kv = m_s[:, None] & m_d[None, :]
@@ -114,9 +114,9 @@ def _paged_prefill_kernel(q, k_pool, v_pool, table, lengths, out, scale, window,
     lo = 0
     if WINDOWED:
         lo = tl.maximum(first - window + 1, 0)
-    for j in range(lo // BS, last // BS + 1):
-        blk = tl.load(table + i_b * M + j).to(tl.int64)
-        k_pos = j * BS + o_s
+    for i_j in range(lo // BS, last // BS + 1):
+        blk = tl.load(table + i_b * M + i_j).to(tl.int64)
+        k_pos = i_j * BS + o_s
         p_kv = ((blk * HKV + i_kv) * BS + o_s[:, None]) * D + o_d[None, :]
         m_kv = (k_pos < n)[:, None] & m_d[None, :]
         b_k = tl.load(k_pool + p_kv, mask=m_kv, other=0.0).to(tl.float32)
@@ -124,14 +124,14 @@ def _paged_prefill_kernel(q, k_pool, v_pool, table, lengths, out, scale, window,
         allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < n) & m_t[:, None]
         if WINDOWED:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale, -float("inf"))
-        m_new = tl.maximum(b_m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing allowed yet stays empty
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(b_m - m_safe)
-        b_l = b_l * alpha + tl.sum(p, axis=1)
-        b_acc = b_acc * alpha[:, None] + tl.dot(p, b_v, input_precision="ieee")
-        b_m = m_new
+        b_s = tl.where(allowed, tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale, -float("inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_m_safe = tl.where(b_m_new == -float("inf"), 0.0, b_m_new)  # a row with nothing allowed yet stays empty
+        b_p = tl.exp(b_s - b_m_safe[:, None])
+        b_alpha = tl.exp(b_m - b_m_safe)
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+        b_m = b_m_new
     b_l = tl.where(b_l > 0, b_l, 1.0)  # rows past the chunk (masked out of the store) hold nothing
     tl.store(out + p_q, (b_acc / b_l[:, None]).to(out.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
 

@@ -18,15 +18,15 @@ SPAN = 1024  # elements per program
 @triton.jit
 def _copy_kernel(src, dst, ids, E, GATHER: tl.constexpr, SPAN: tl.constexpr):
     i_m = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements on large pools
-    o = tl.program_id(1).to(tl.int64) * SPAN + tl.arange(0, SPAN)
-    mask = o < E
+    o_e = tl.program_id(1).to(tl.int64) * SPAN + tl.arange(0, SPAN)
+    m_e = o_e < E
     slot = tl.load(ids + i_m).to(tl.int64)
     if GATHER:
-        x = tl.load(src + slot * E + o, mask=mask)
-        tl.store(dst + i_m * E + o, x, mask=mask)
+        b_x = tl.load(src + slot * E + o_e, mask=m_e)
+        tl.store(dst + i_m * E + o_e, b_x, mask=m_e)
     else:
-        x = tl.load(src + i_m * E + o, mask=mask)
-        tl.store(dst + slot * E + o, x, mask=mask)
+        b_x = tl.load(src + i_m * E + o_e, mask=m_e)
+        tl.store(dst + slot * E + o_e, b_x, mask=m_e)
 
 
 def _checked_ids(pool: torch.Tensor, ids: torch.Tensor, unique: bool, trusted: bool) -> None:
