@@ -381,7 +381,3 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.prefill_chunk_size < 1:
             raise ConfigError("prefill_chunk_size must be >= 1")
-
-    @staticmethod
-    def default_device() -> str:
-        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import load_model
-from engine.cache.config import CacheConfig
+from engine.cache.config import CacheConfig, Reuse
 from engine.cache.prefix_cache import PrefixCache
 from engine.engine import Engine
 from engine.model.loader import resolve_model
@@ -152,7 +152,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                     engine.start(warm).finish()
                     warmed[setting] = engine, engine.cache.mark(), _gdn_bytes(engine.cache, asked)
                 engine, keep, gdn_bytes = warmed[setting]
-                engine.cache.set_policy(b.reuse, b.budget if b.reuse == "approximate" else 0.05, b.tolerance)
+                engine.cache.set_policy(b.reuse, b.budget if b.reuse == Reuse.APPROXIMATE else 0.05, b.tolerance)
                 t0 = time.perf_counter()
                 run = engine.start(asked)
                 ttft = 1000 * (time.perf_counter() - t0)

@@ -25,7 +25,7 @@ import torch
 from engine import EngineConfig, load_model
 from engine.model.loader import resolve_model
 from engine.cache.faults import DRILLS
-from engine.cache.config import CacheConfig
+from engine.cache.config import CacheConfig, Reuse
 from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
 from engine.engine import Engine, Generation, SamplingParams, Timings
 from engine.events import CacheLookup
@@ -33,7 +33,7 @@ from engine.tokenizer import StreamDecoder, load_tokenizer
 from store.conversations import Conversations, Message, Thread
 from store.write_behind import WriteBehind
 
-REUSE_POLICIES = ("exact", "approximate", "off")
+REUSE_POLICIES = tuple(Reuse)
 DRAFT_INTERVAL_S = 0.5  # a streaming answer is on disk at most this far behind (marked incomplete)
 # the presence columns of the segment state table: column -> the state kinds it stands for
 PRESENCE = {"kv": ("kv",), "compressed": ("compressed",), "tail": ("tail", "overlap"), "window": ("window",),
@@ -136,11 +136,11 @@ class ChatOptions:
     def __post_init__(self) -> None:
         if self.reuse not in REUSE_POLICIES:
             raise ValueError(f"--reuse must be one of {', '.join(REUSE_POLICIES)}, got {self.reuse!r}")
-        if self.reuse == "approximate":
+        if self.reuse == Reuse.APPROXIMATE:
             CacheConfig(reuse="approximate", replay_budget=self.replay_budget, replay_tolerance=self.replay_tolerance)
         if self.sketch_every < 0:
             raise ValueError("--gdn-sketches must be >= 0 (0: none)")
-        if self.sketch_every and self.reuse != "approximate":
+        if self.sketch_every and self.reuse != Reuse.APPROXIMATE:
             raise ValueError("--gdn-sketches needs --reuse approximate: only an approximate replay reads a sketch")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
@@ -313,7 +313,7 @@ class ChatSession:
         self.conversation = None
         self._created: str | None = None  # the conversation this session began (forgotten at close if empty)
         try:
-            self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != "off" else None
+            self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != Reuse.OFF else None
             self.engine = Engine(self.model, EngineConfig(dtype=self.model.dtype, device=str(self.model.device),
                                                           prefill_chunk_size=opts.prefill_chunk_size,
                                                           deterministic=opts.deterministic), cache=self.cache)
@@ -429,7 +429,7 @@ class ChatSession:
         saved = self.tier.saved - saved_before  # the engine saved (and flushed) at the request's end, cancelled too
         self._count(lookup, timings, cancelled=stop_reason == "cancelled")
         budget = (self.cache.validator.policy.tokens(lookup.plan.usable_tokens) or 0) \
-            if lookup is not None and self.opts.reuse == "approximate" else 0
+            if lookup is not None and self.opts.reuse == Reuse.APPROXIMATE else 0
         return TurnResult(text, answer_ids, stop_reason, len(ids), meta["cached_tokens"], ttft, tps, lookup, message,
                           saved, budget, conversation=self.conversation.id, branch=self.thread.name,
                           model=self.model_name, timings=timings)

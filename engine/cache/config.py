@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from engine.cache.recovery import GROUPS
 from engine.cache.replay import ReplayPolicy
+
+
+class Reuse(StrEnum):
+    """What a cache hit may be: provably exact only, approximate too (Tail-Replay, labelled), or
+    no cache at all. A StrEnum: equal to its name as text, as a config file or flag gives it."""
+
+    EXACT = "exact"
+    APPROXIMATE = "approximate"
+    OFF = "off"
 
 
 @dataclass(frozen=True)
@@ -61,12 +71,12 @@ class CacheConfig:
             raise ValueError(f"unknown cache groups {unknown}; groups: {', '.join(GROUPS)}")
         if self.exact_replay_cost is not None and not 0 < self.exact_replay_cost <= 1:
             raise ValueError("exact_replay_cost must be in (0, 1], or None (from the model)")
-        if self.reuse not in ("exact", "approximate", "off"):
+        if self.reuse not in tuple(Reuse):
             raise ValueError(f"reuse must be 'exact', 'approximate' or 'off', got {self.reuse!r}")
         self.replay_policy  # checks the budget and tolerance
 
     @property
     def replay_policy(self) -> ReplayPolicy:
-        if self.reuse != "approximate":
+        if self.reuse != Reuse.APPROXIMATE:
             return ReplayPolicy()
         return ReplayPolicy("approximate", self.replay_budget, self.replay_tolerance)

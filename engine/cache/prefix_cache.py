@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.cache.config import CacheConfig
+from engine.cache.config import CacheConfig, Reuse
 from engine.cache.gdn_state import GDNState, sketch, unsketch
 from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import group_of
@@ -197,7 +197,7 @@ class PrefixCache:
 
         def missing(node) -> bool:  # (an approximate record does not hide the exact copy below from an exact lookup)
             held = self.table.get(node.key)
-            return held is None or not (held.exact or self.config.reuse == "approximate")
+            return held is None or not (held.exact or self.config.reuse == Reuse.APPROXIMATE)
 
         ahead, unread = iter(()), set()  # results read ahead, in order; the keys not taken from them yet
         for i, node in enumerate(segments):
@@ -290,7 +290,7 @@ class PrefixCache:
             abandoned.append("rule 4: the cache topology differs from the captured one; running eager")
         for _attempt in range(3):
             match = self.index.match(tokens)
-            if self.config.reuse == "off":
+            if self.config.reuse == Reuse.OFF:
                 match = match._replace(segments=[])
             self._fetch(match.segments[:(len(tokens) - 1) // self.block_size], len(tokens), abandoned)
             plan = self.validator.plan(len(tokens), match, self.table)

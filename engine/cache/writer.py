@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from engine.cache.config import Reuse
 from engine.cache.gdn_state import GDNState
 from engine.cache.prefix_index import ROOT
 from engine.cache.states import ModelState
@@ -62,7 +63,7 @@ class RequestWriter:
     def capture(self, state: ModelState, tokens: Sequence[int]) -> None:
         """Register every whole segment up to state.seq_len (a multiple of the block size): each
         with its per-segment pieces, the last one also with the state's snapshots."""
-        if self.cache.config.reuse == "off" or self.next_index < 0:
+        if self.cache.config.reuse == Reuse.OFF or self.next_index < 0:
             return
         b = self.cache.block_size
         hi = state.seq_len
@@ -94,7 +95,7 @@ class RequestWriter:
     def capture_replayed(self, state: ModelState) -> None:
         """After an exact replay over the usable prefix (state.seq_len, a boundary): that boundary's
         record keeps the rebuilt GDN snapshots, so the next request resuming there replays nothing."""
-        if self.cache.config.reuse == "off" or not self.exact or self.parent == ROOT:
+        if self.cache.config.reuse == Reuse.OFF or not self.exact or self.parent == ROOT:
             return
         b = self.cache.block_size
         j = state.seq_len // b - 1
