@@ -19,6 +19,7 @@ from engine.cache.states import ModelState
 from engine.cache.validation import ReusePlan
 from engine.cache.writer import RequestWriter
 from engine.config import EngineConfig
+from engine.events import CacheLookup
 from engine.model.hybrid import HybridModel
 from engine.static_decode import StaticDecoder, StaticUnsupported, static_enabled
 from engine.threads import intra_op_threads
@@ -76,6 +77,7 @@ class Generation:
     state: ModelState | None = field(default=None, repr=False)  # describes prompt + token_ids[:-1]
     plan: ReusePlan | None = None  # the cache's plan for the prompt, when a cache is in use
     prompt_logits: torch.Tensor | None = field(default=None, repr=False)  # after the prompt's last token
+    lookup: CacheLookup | None = None  # the cache's event for the prompt (plan, outcome, reasons)
 
 
 class Engine:
@@ -198,23 +200,26 @@ class Engine:
         self.check_prompt(prompt_ids)
         fed = list(prompt_ids)
         writer, plan = None, None
+        lookup = None
         if state is None and self.cache is not None:
             plan, state, ticket = self.cache.lookup(fed)
+            lookup = self.cache.events[-1]  # the event this lookup recorded (same thread, just now)
             writer = self.cache.writer(plan, ticket)
         state = state or self.new_state()
-        started = Started(None, state, fed, writer, plan)
+        started = Started(None, state, fed, writer, plan, lookup)
         if writer is None:
             started.logits = self.prefill(fed[state.seq_len:], state, should_stop=should_stop)
             return started
         try:
-            self._recover_and_prefill(started, should_stop)
+            try:
+                self._recover_and_prefill(started, should_stop)
+            except Cancelled:
+                raise Cancelled(lookup) from None  # the event travels with it
             if plan.usable_tokens and plan.exact and self.cache.should_shadow():  # approximate plans differ by design
                 cold = Engine(self.model, self.config).start(fed)
                 if not self.cache.metrics.record_shadow((started.logits - cold.logits).abs().max().item()):
                     # the hit disagreed with a cold prefill: answer from the cold state, forget the records
-                    for key in plan.keys:
-                        self.cache.table.remove(key)
-                        self.cache.index.remove(key)
+                    self.cache.forget(plan)
                     started.logits, started.state = cold.logits, cold.state
         except BaseException:
             writer.finish()  # the admission ticket back; what was captured stays cached
@@ -254,11 +259,10 @@ class Engine:
         t0 = time.perf_counter()
         try:
             run = self.start(prompt_ids, state, should_stop=should_stop)
-        except Cancelled:
+        except Cancelled as stopped:
             timings.prompt_ms = 1000 * (time.perf_counter() - t0)
-            # a lookup ran (and was the last event) only when no state was given
-            plan = self.cache.events[-1].plan if state is None and self.cache is not None and self.cache.events else None
-            return Generation([], "cancelled", timings, None, plan)
+            lookup = stopped.args[0] if stopped.args else None
+            return Generation([], "cancelled", timings, None, lookup.plan if lookup else None, lookup=lookup)
         state, logits = run.state, run.logits
         prompt_logits = logits
         timings.cache_n = run.plan.usable_tokens if run.plan is not None else 0
@@ -293,7 +297,7 @@ class Engine:
             run.finish()  # the admission ticket is released and the turn saved even if decoding failed
         timings.predicted_ms = 1000 * (time.perf_counter() - t0)
         timings.predicted_n = len(out)
-        return Generation(out, reason, timings, state, run.plan, prompt_logits)
+        return Generation(out, reason, timings, state, run.plan, prompt_logits, lookup=run.lookup)
 
 
 @dataclass
@@ -306,6 +310,7 @@ class Started:
     fed: list[int]  # every token that has gone through the model, in order
     writer: RequestWriter | None
     plan: ReusePlan | None
+    lookup: CacheLookup | None = None
 
     def capture(self, state: ModelState) -> None:
         if self.writer is not None:

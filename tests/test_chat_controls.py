@@ -183,3 +183,16 @@ def test_verbose_prints_ollama_style_stats_for_each_answer_on_stderr_only(model_
     assert "load duration:" in res.stderr and "cached tokens:" in res.stderr and "eval count" not in res.stdout
     quiet = CliRunner().invoke(app, args, input="hello\n")
     assert quiet.exit_code == 0 and "eval count" not in quiet.stderr
+
+
+def test_every_turn_knows_its_lookup_however_many_the_cache_has_recorded(model_dir, tmp_path):
+    """The lookup event travels on the Generation: a full event log (a deque of 1,000) no longer
+    hides it (the session compared the log's length before and after)."""
+    from collections import deque
+
+    s = _session(model_dir, tmp_path / "k.db")
+    s.cache.events = deque(maxlen=1)  # full after one lookup
+    results = [s.send(text) for text in ("hello there", "and again", "once more")]
+    assert all(r.lookup is not None for r in results) and results[-1].lookup.outcome == "hit"
+    stats = s.stats.as_dict()
+    assert stats["hits"] + stats["degraded"] + stats["misses"] == 3

@@ -393,7 +393,6 @@ class ChatSession:
             draft.tick(out)
 
         params = self.sampling()
-        before = len(self.cache.events) if self.cache is not None else 0
         saved_before = self.tier.saved
         t0 = time.perf_counter()
         stop_reason = "cancelled"
@@ -408,7 +407,7 @@ class ChatSession:
             draft.discard()  # no answer: the turn is undone by the caller
             raise
         wall_ms = 1000 * (time.perf_counter() - t0)
-        lookup = self.cache.events[-1] if self.cache is not None and len(self.cache.events) > before else None
+        lookup = gen.lookup if gen is not None else None  # (a caller's Cancelled from on_text: not known)
         answer_ids = [t for t in out if t not in self.tok.eos_ids]
         text = self.tok.decode(answer_ids)
         timings = gen.timings if gen else Timings(prompt_n=len(ids), prompt_ms=wall_ms)

@@ -423,6 +423,13 @@ class PrefixCache:
                 return why
         return None
 
+    def forget(self, plan: ReusePlan) -> None:
+        """Drop every segment `plan` reused, from the table and the index (a hit that disagreed
+        with a cold prefill under shadow verification must not be reused again)."""
+        for key in plan.keys:
+            self.table.remove(key)
+            self.index.remove(key)
+
     def writer(self, plan: ReusePlan, ticket: int | None = None) -> RequestWriter:
         return RequestWriter(self, plan, ticket)
 
