@@ -108,28 +108,30 @@ def run_plain(session: ChatSession, lines, out: TextIO, as_json: bool = False,
     for warning in session.warnings():
         say(json.dumps({"type": "warning", "warning": warning}) if as_json else f"warning: {warning}")
     failed = done = 0
-    for raw in lines:
-        if prompt is not None:
-            prompt()
-        line = raw.rstrip("\n")
-        if not line.strip():
-            continue
-        done += 1
-        try:
-            if not line.startswith("/"):
-                answer(lambda on_text, should_stop: session.send(line, on_text, should_stop))
+    try:  # the session is closed (its last writes flushed) however the loop ends, Ctrl-C too
+        for raw in lines:
+            if prompt is not None:
+                prompt()
+            line = raw.rstrip("\n")
+            if not line.strip():
                 continue
-            if _command(session, line, say, answer, lambda: last, as_json):
-                break
-        except (ValueError, KeyError, IndexError) as e:
-            failed += 1
-            msg = e.args[0] if e.args else str(e)
-            say(json.dumps({"type": "error", "error": msg}) if as_json else f"error: {msg}")
-        except sqlite3.Error as e:  # the workbench file itself failed (damaged, full, locked)
-            failed += 1
-            msg = f"workbench database: {type(e).__name__}: {e}"
-            say(json.dumps({"type": "error", "error": msg}) if as_json else f"error: {msg}")
-    session.close()
+            done += 1
+            try:
+                if not line.startswith("/"):
+                    answer(lambda on_text, should_stop: session.send(line, on_text, should_stop))
+                    continue
+                if _command(session, line, say, answer, lambda: last, as_json):
+                    break
+            except (ValueError, KeyError, IndexError) as e:
+                failed += 1
+                msg = e.args[0] if e.args else str(e)
+                say(json.dumps({"type": "error", "error": msg}) if as_json else f"error: {msg}")
+            except sqlite3.Error as e:  # the workbench file itself failed (damaged, full, locked)
+                failed += 1
+                msg = f"workbench database: {type(e).__name__}: {e}"
+                say(json.dumps({"type": "error", "error": msg}) if as_json else f"error: {msg}")
+    finally:
+        session.close()
     # a script reads the exit code: 1 when any line was refused or failed; stderr says how many
     # (stdout stays the answers, or one JSON object a line)
     if failed:
