@@ -90,7 +90,6 @@ def _merged(blocks: dict[str, str]) -> str:
     return "\n\n".join(out)
 
 
-# ---- corruptions ----------------------------------------------------------------------------------
 def corruptions(args, root: Path, pristine: Path) -> str:
     db = Path(json.loads(pristine.read_text())["db"])
     specs = damage.schedule(db, args.corruptions, seed=args.seed)
@@ -147,7 +146,6 @@ def _why(r: dict) -> str:
     return (last[-1] if last else r["detail"])[:160].replace("|", "\\|")
 
 
-# ---- kills ----------------------------------------------------------------------------------------
 STATUS = re.compile(r"\[[^\n\]]* · \d+/\d+ prompt tokens reused · TTFT \d+ ms · [\d.]+ tok/s[^\n]*\]")
 HEADER = re.compile(r"hcw chat · conversation ([0-9a-f]+) · branch ")
 MARKS = ("hcw chat · ", "warning: ", "error: ", "on new branch ", "on branch ", "saved ", "resumed ")
@@ -443,7 +441,6 @@ def _meta(row: dict) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-# ---- the state machine ------------------------------------------------------------------------------
 def machine(args, root: Path, pristine: Path) -> str:
     import torch
     from hypothesis import HealthCheck, settings

@@ -34,7 +34,6 @@ class WriteBehind:
         self._thread.start()
         self._ready.wait()
 
-    # ---- the tier's own, read on the caller's connection ----------------------------------------
     @property
     def db(self):
         return self.tier.db
@@ -65,7 +64,6 @@ class WriteBehind:
     def read_hook(self, hook) -> None:
         self.tier.read_hook = hook
 
-    # ---- the LowerTier protocol -------------------------------------------------------------
     def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
              pieces: dict) -> tuple[bool, str]:
         with self._cond:
@@ -127,7 +125,6 @@ class WriteBehind:
         # cache names it as damage; sorting it with the integers would raise)
         return sorted(rows, key=lambda r: (0, r["idx"]) if type(r["idx"]) is int else (1, 0))
 
-    # ---- the queue ------------------------------------------------------------------------------
     @property
     def queued(self) -> int:
         with self._cond:

@@ -117,7 +117,6 @@ class Damage:
         return self.scope == "file" or (self.table, self.column) in DATA_COLUMNS
 
 
-# ---- the pristine file ----------------------------------------------------------------------
 def chat_options(folder: Path, db: Path, **kw):
     from workbench.session import ChatOptions
 
@@ -272,7 +271,6 @@ def read_history(db: Path, thread_id, strict: bool) -> list[tuple[str, str]] | N
         con.close()
 
 
-# ---- damage -------------------------------------------------------------------------------------
 def columns(db: Path) -> dict[str, list[tuple[str, str]]]:
     """table -> [(column, declared type)] of the six tables, from the file itself."""
     con = sqlite3.connect(db)
@@ -600,7 +598,6 @@ def _file_damage(db: Path, spec: Spec, rng: random.Random, info: dict) -> Damage
     return Damage(spec.kind, hit, None, detail, names, "file")
 
 
-# ---- one case -------------------------------------------------------------------------------------
 class Runner:
     """Runs cases on one process's copy of the pristine file: the model loaded once."""
 
@@ -729,7 +726,6 @@ def _worst(chat: str, verify: str) -> str:
     return verify if verify in ("crash", "hang") and chat not in FAILURES else chat
 
 
-# ---- many cases, in worker processes --------------------------------------------------------------
 def run_cases(pristine: Path, specs: list[Spec], workers: int = 1, timeout_s: float = 60.0,
               progress=None, scratch: Path | None = None) -> list[dict]:
     """Every case in a worker process (`python -m workbench.damage worker`) that is killed and

@@ -87,7 +87,6 @@ class RemoteSession:
         if self._pending_opts is not None:
             self.opts, self._pending_opts = self._pending_opts, None
 
-    # ---- attributes --------------------------------------------------------------------
     @property
     def opts(self) -> ChatOptions:
         return self._opts
@@ -103,7 +102,6 @@ class RemoteSession:
     def pid(self) -> int:
         return self._process.pid
 
-    # ---- calls -------------------------------------------------------------------------
     def __getattr__(self, name: str):
         if name.startswith("_") or name not in _METHODS:
             raise AttributeError(name)
@@ -211,7 +209,6 @@ _METHODS = {name for name, value in vars(ChatSession).items()
             if not name.startswith("_") and callable(value)} - {"send", "regenerate", "close"}
 
 
-# ---- the child ------------------------------------------------------------------------------
 def _serve(opts: ChatOptions, turns, control, cancel) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the app; it closes us
     log = log_path(opts)

@@ -340,7 +340,6 @@ class ChatSession:
         """What the user called the model: a built-in's name, or its folder's."""
         return Path(str(self.opts.model)).name
 
-    # ---- the conversation ----------------------------------------------------------------
     def path(self) -> list[Message]:
         return self.store.path(self.thread.id)
 
@@ -501,7 +500,6 @@ class ChatSession:
         """Write every segment the disk lacks; returns how many were written."""
         return self.cache.save() if self.cache is not None else 0
 
-    # ---- branches ------------------------------------------------------------------------
     def edit(self, index: int, text: str) -> Thread:
         """Replace message `index` of the current path (a user turn) on a new branch, which becomes
         current; the old branch keeps its history. Answer it with `regenerate`."""
@@ -557,7 +555,6 @@ class ChatSession:
         return [f"the workbench file has {len(damage)} damaged segment row(s) (first: {damage[0]}); they and "
                 "the segments after them are recomputed when needed; `hcw inspect --verify` lists them"]
 
-    # ---- faults and views ------------------------------------------------------------------
     def fault(self, name: str) -> int:
         """Damage the cached state of the current conversation on purpose (a fault drill), so the
         next turn shows the validator catching it; returns how many pieces were damaged."""

@@ -185,7 +185,6 @@ class ChatApp(App):
                 self.prompt.value = rest[0]
             self.run_command(first)
 
-    # ---- panes -------------------------------------------------------------------------
     @property
     def narrow(self) -> bool:
         return self.screen.has_class("-narrow")
@@ -212,7 +211,6 @@ class ChatApp(App):
     def on_resize(self, event) -> None:
         self.call_after_refresh(self.refresh_bindings)  # the breakpoint class may have changed
 
-    # ---- views -------------------------------------------------------------------------
     def refresh_views(self, messages: bool = False) -> None:
         s = self.session
         self.sub_title = f"{s.conversation.id} · branch {s.thread.name} · reuse {s.opts.reuse}"
@@ -242,7 +240,6 @@ class ChatApp(App):
     def log_line(self, text: str) -> None:
         self.log_view.write(text)
 
-    # ---- input -------------------------------------------------------------------------
     def on_input_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
         event.input.value = ""
@@ -374,7 +371,6 @@ class ChatApp(App):
             return
         self.refresh_views(messages=True)
 
-    # ---- actions -----------------------------------------------------------------------
     def action_quit(self) -> None:
         """Quit; a generation in flight is cancelled first and its partial answer kept."""
         if self.busy:
