@@ -17,6 +17,7 @@ sequence's whole state (ModelState); the kinds live beside it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -25,6 +26,27 @@ if TYPE_CHECKING:
     from engine.cache.gdn_state import GDNState
     from engine.cache.kv import KVState, PagedKVState
     from engine.cache.v4_state import V4AttnState
+
+
+class Kind(StrEnum):
+    """Every state kind a layer keeps (a StrEnum: equal to its name as text, as stored on disk)."""
+
+    KV = "kv"
+    CONV = "conv"
+    RECURRENT = "recurrent"
+    SKETCH = "sketch"
+    WINDOW = "window"
+    COMPRESSED = "compressed"
+    TAIL = "tail"
+    OVERLAP = "overlap"
+    INDEX_KEYS = "index_keys"
+    INDEX_TAIL = "index_tail"
+    INDEX_OVERLAP = "index_overlap"
+
+
+# a compressor's kinds (its closed entries, its open tail, its overlap), by the prefix its owner gives it
+COMPRESSOR_KINDS = {"": (Kind.COMPRESSED, Kind.TAIL, Kind.OVERLAP),
+                    "index_": (Kind.INDEX_KEYS, Kind.INDEX_TAIL, Kind.INDEX_OVERLAP)}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.states import Piece, StateObject, clone_tree, per_token, tensor_bytes
+from engine.cache.states import COMPRESSOR_KINDS, Piece, StateObject, clone_tree, per_token, tensor_bytes
 
 
 
@@ -59,41 +59,44 @@ class CompressedState:
     def objects(self, layer: int, seq_len: int, prefix: str = "") -> list[StateObject]:
         m, n = self.rate, self.count
         span = 2 * m if self.overlapping else m
+        entries, tail, overlap = COMPRESSOR_KINDS[prefix]
         out = [
-            StateObject(layer, prefix + ("keys" if prefix else "compressed"), tuple(self.entries.shape), True,
+            StateObject(layer, entries, tuple(self.entries.shape), True,
                         (0, n * m), tensor_bytes(self.entries), n, m, span, 0),
-            StateObject(layer, prefix + "tail", (2, *self.tail_kv.shape), True, (n * m, n * m + self.tail_kv.shape[1]),
+            StateObject(layer, tail, (2, *self.tail_kv.shape), True, (n * m, n * m + self.tail_kv.shape[1]),
                         tensor_bytes(self.tail_kv) + tensor_bytes(self.tail_gate), self.tail_kv.shape[1], 1, 1, n * m),
         ]
         if self.overlapping and self.overlap_kv is not None:
-            out.append(StateObject(layer, prefix + "overlap", (2, *self.overlap_kv.shape), True, ((n - 1) * m, n * m),
+            out.append(StateObject(layer, overlap, (2, *self.overlap_kv.shape), True, ((n - 1) * m, n * m),
                                    tensor_bytes(self.overlap_kv) + tensor_bytes(self.overlap_gate), m, 1, 1, (n - 1) * m))
         return out
 
     def export(self, lo: int, hi: int, snapshots: bool = True, prefix: str = "") -> dict[str, Piece]:
         m = self.rate
-        out = {prefix + ("keys" if prefix else "compressed"): Piece(True, self.entries[:, lo // m: hi // m].clone())}
+        entries, tail, overlap = COMPRESSOR_KINDS[prefix]
+        out = {entries: Piece(True, self.entries[:, lo // m: hi // m].clone())}
         if not snapshots:
             return out
-        out[prefix + "tail"] = Piece(False, (self.tail_kv.clone(), self.tail_gate.clone()))
+        out[tail] = Piece(False, (self.tail_kv.clone(), self.tail_gate.clone()))
         if self.overlapping:
             # before the first window closes there is no overlap: stored as zero-length slices, so a
             # piece is never None and a buffer check always has a shape and dtype to hold it to
             empty = self.entries[:, :0]
             pair = (self.overlap_kv, self.overlap_gate) if self.overlap_kv is not None else (empty, empty)
-            out[prefix + "overlap"] = Piece(False, clone_tree(pair))
+            out[overlap] = Piece(False, clone_tree(pair))
         return out
 
     def for_replay(self, pieces: dict[str, object], prefix: str = "") -> CompressedState:
         """Every cached entry, exact; the tail and overlap empty, for a replay to rebuild."""
-        entries = torch.cat([self.entries, *pieces[prefix + ("keys" if prefix else "compressed")]], dim=1)
+        entries = torch.cat([self.entries, *pieces[COMPRESSOR_KINDS[prefix][0]]], dim=1)
         return CompressedState(self.rate, self.overlapping, entries, self.tail_kv[:, :0].clone(),
                                self.tail_gate[:, :0].clone())
 
     def assemble(self, seq_len: int, pieces: dict[str, object], prefix: str = "") -> CompressedState:
-        entries = torch.cat([self.entries, *pieces[prefix + ("keys" if prefix else "compressed")]], dim=1)
-        tail_kv, tail_gate = clone_tree(pieces[prefix + "tail"])
-        overlap = clone_tree(pieces.get(prefix + "overlap")) or (None, None)
+        kinds = COMPRESSOR_KINDS[prefix]
+        entries = torch.cat([self.entries, *pieces[kinds[0]]], dim=1)
+        tail_kv, tail_gate = clone_tree(pieces[kinds[1]])
+        overlap = clone_tree(pieces.get(kinds[2])) or (None, None)
         if overlap[0] is not None and overlap[0].shape[1] == 0:
             overlap = (None, None)
         return CompressedState(self.rate, self.overlapping, entries, tail_kv, tail_gate, *overlap)
