@@ -183,7 +183,7 @@ class Validator:
 
         if self.policy.mode == "approximate" and self.replayable and k < limit:
             approximate = not all(r.exact for r in records[:limit])
-            plan = self._tail_replay(prompt_len, match, records, limit, k, failures, notes, n_asked, approximate)
+            plan = self._tail_replay(_Matched(prompt_len, match, records, limit, k, failures, notes, n_asked), approximate)
             if plan is not None:
                 return plan
         elif (self.policy.mode == "exact" and self.exact_replayable and k < limit and self.exact_replay_cost is not None
@@ -192,7 +192,8 @@ class Validator:
             # start over the cached KV is exact and costs less than recomputing from the checkpoint
             layers = self._gdn_layers
             full = ReplayChoice(0, limit * b, tuple((layer, 0) for layer in layers), tuple((layer, 0.0) for layer in layers))
-            return self._replay_plan(prompt_len, match, records, limit, k, failures, notes, n_asked, full, exact=True)
+            return self._replay_plan(_Matched(prompt_len, match, records, limit, k, failures, notes, n_asked), full,
+                                     exact=True)
 
         objects: list[ObjectPlan] = []
         if unavailable is not None:
@@ -218,12 +219,12 @@ class Validator:
                          tuple(objects), tuple(failures), exact=first_approximate is None or first_approximate >= k,
                          granular_tokens=n_asked * b, notes=tuple(notes))
 
-    def _tail_replay(self, prompt_len, match, records, limit, k, failures, notes, n_asked, approximate):
+    def _tail_replay(self, m: _Matched, approximate: bool) -> ReusePlan | None:
         """Reuse every token-addressable state up to `limit` segments and rebuild the GDN states by
         replaying a tail from zero (the budget's, or per layer the shortest whose certified bound
         is within tolerance) -- unless the nearest exact checkpoint (at k) lies inside it, which
         the exact plan then uses. None: the exact plan applies."""
-        b = self.block_size
+        b, records, limit, k = self.block_size, m.records, m.limit, m.k
         end = limit * b
         gdn_layers = self._gdn_layers
         if any(not all((layer, "decay") in r.pieces for r in records[:limit]) for layer in gdn_layers):
@@ -236,8 +237,7 @@ class Validator:
         pick = choose(self.policy, end, decay, self.replay_warmup, stride, seeds)
         if pick is None or (k > 0 and k * b >= pick.begin):
             return None  # nothing within the budget, or a checkpoint inside the window: replay from it, exactly
-        return self._replay_plan(prompt_len, match, records, limit, k, failures, notes, n_asked, pick,
-                                 exact=pick.bound == 0.0 and not approximate)
+        return self._replay_plan(m, pick, exact=pick.bound == 0.0 and not approximate)
 
     def _seeds(self, records, limit: int, shape: tuple[int, int]) -> Seeds | None:
         """The boundaries up to `limit` segments (within the budget) where every GDN layer kept an
@@ -253,11 +253,10 @@ class Validator:
                      {layer: torch.stack([records[j].pieces[(layer, "sketch")].data[2] for j in at], dim=1)
                       for layer in gdn_layers})
 
-    def _replay_plan(self, prompt_len, match, records, limit, k, failures, notes, n_asked, pick: ReplayChoice,
-                     exact: bool) -> ReusePlan:
+    def _replay_plan(self, m: _Matched, pick: ReplayChoice, exact: bool) -> ReusePlan:
         """The plan that reuses every token-addressable state up to `limit` segments and replays
         [pick.begin, limit * B) to rebuild the GDN states (and the snapshots replay rebuilds)."""
-        b = self.block_size
+        b, records, limit, k, notes = self.block_size, m.records, m.limit, m.k, m.notes
         end = limit * b
         rebuilt = GDN_KINDS | REBUILT_BY_REPLAY
         other = sorted({r.kind for r in self.requirements if r.kind not in rebuilt})
@@ -274,7 +273,7 @@ class Validator:
                        f"tail replay of {end - pick.begin} tokens {origin} ({how})",
                        f"no GDN checkpoint in [{pick.begin}, {end}]; nearest at {k * b}" if k * b < pick.begin
                        else f"the nearest GDN checkpoint, at {k * b}, leaves more to recompute than this replay"),
-            ObjectPlan("all", Action.RECOMPUTE, (end, prompt_len), (), "prefill"),
+            ObjectPlan("all", Action.RECOMPUTE, (end, m.prompt_len), (), "prefill"),
         )
         cap = self.policy.tokens(end) if self.policy.mode == "approximate" else None
         if set(replayed) - GDN_KINDS:
@@ -285,11 +284,27 @@ class Validator:
                          + (" (exact policy: cheaper than recomputing from the nearest checkpoint)"
                             if self.policy.mode == "exact" else "")
                          + (f"; per-layer restarts {dict(pick.starts)}" if self.policy.adaptive else "")]
-        return ReusePlan(prompt_len, match.logical_tokens, len(records) * b, end,
-                         tuple(r.key for r in records[:limit]), objects, tuple(failures), exact=exact,
-                         granular_tokens=n_asked * b, notes=tuple(notes), replay_from=pick.begin,
+        return ReusePlan(m.prompt_len, m.match.logical_tokens, len(records) * b, end,
+                         tuple(r.key for r in records[:limit]), objects, tuple(m.failures), exact=exact,
+                         granular_tokens=m.n_asked * b, notes=tuple(notes), replay_from=pick.begin,
                          replay_starts=pick.starts, replay_bound=pick.bound, replay_seed=pick.seed,
                          replay_seeded=pick.seeded)
+
+
+@dataclass(frozen=True)
+class _Matched:
+    """What a lookup matched, as the replay plans read it: the prompt's length, the index match,
+    the usable records, `limit` segments whose token-addressable states are whole, the nearest
+    exact checkpoint at `k` segments, the failures and notes so far, and the segments asked for."""
+
+    prompt_len: int
+    match: MatchResult
+    records: list
+    limit: int
+    k: int
+    failures: list[str]
+    notes: list[str]
+    n_asked: int
 
 
 def _sketch_fits(piece, shape: tuple[int, int]) -> bool:
