@@ -77,11 +77,26 @@ def _copy(pristine, db: Path) -> tuple[dict, Path]:
     return info, db
 
 
+def _resume_and_ask(info: dict, db: Path):
+    """The pristine conversation resumed on the damaged file `db` and asked its question: (the
+    session, closed; its model; the answer; the history the answer followed; the session's warnings)."""
+    from engine import load_model
+    from workbench.session import ChatSession
+
+    model = load_model(info["model"])
+    s = ChatSession(damage.chat_options(Path(info["model"]), db, session=info["conversation"]), model=model)
+    try:
+        answer = s.send(info["question"]).text
+        history = damage.read_history(db, s.thread.id, strict=True)[:-2]
+        warnings = s.warnings()
+    finally:
+        s.close()
+    return s, model, answer, history, warnings
+
+
 def test_a_segment_row_whose_index_is_not_an_integer_is_a_miss(pristine, tmp_path):
     # regression: WriteBehind.segments sorted rows by idx in Python, and NULL or a blob raised
     # TypeError out of PrefixCache construction, so the chat could not open at all
-    from engine import load_model
-    from workbench.session import ChatSession
 
     info, db = _copy(pristine, tmp_path / "c.db")
     con = sqlite3.connect(db)
@@ -89,13 +104,7 @@ def test_a_segment_row_whose_index_is_not_an_integer_is_a_miss(pristine, tmp_pat
     con.execute("UPDATE segments SET idx = 'seven' WHERE rowid = 3")
     con.commit()
     con.close()
-    model = load_model(info["model"])
-    s = ChatSession(damage.chat_options(Path(info["model"]), db, session=info["conversation"]), model=model)
-    try:
-        answer = s.send(info["question"]).text
-        history = damage.read_history(db, s.thread.id, strict=True)[:-2]
-    finally:
-        s.close()
+    s, model, answer, history, _ = _resume_and_ask(info, db)
     assert answer == damage.Oracle(info, model).answer(history)
     assert s.cache.metrics.lower_failures["damaged row"] == 2
 
@@ -143,8 +152,6 @@ def test_a_segment_key_that_is_not_utf8_is_a_damaged_row_not_a_refused_file(pris
     # regression: DiskTier.segments read every row in one query, and a key whose text was not
     # UTF-8 (a flipped high bit) raised OperationalError out of PrefixCache construction: the
     # chat refused the whole file for a damaged cache row
-    from engine import load_model
-    from workbench.session import ChatSession
 
     info, db = _copy(pristine, tmp_path / "k.db")
     con = sqlite3.connect(db)
@@ -154,14 +161,7 @@ def test_a_segment_key_that_is_not_utf8_is_a_damaged_row_not_a_refused_file(pris
     con.execute("UPDATE segments SET presence = CAST(x'7b22ff' AS TEXT) WHERE idx = 3")
     con.commit()
     con.close()
-    model = load_model(info["model"])
-    s = ChatSession(damage.chat_options(Path(info["model"]), db, session=info["conversation"]), model=model)
-    try:
-        answer = s.send(info["question"]).text
-        history = damage.read_history(db, s.thread.id, strict=True)[:-2]
-        warnings = s.warnings()
-    finally:
-        s.close()
+    _, model, answer, history, warnings = _resume_and_ask(info, db)
     assert answer == damage.Oracle(info, model).answer(history)
     assert warnings and "damaged segment row" in warnings[0], warnings
 
