@@ -200,9 +200,9 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
 def _gdn_bytes(cache: PrefixCache, prompt: list[int]) -> float:
     """Bytes of GDN state (checkpoints and sketches) the cache keeps inside the matched prefix of
     `prompt`, per 1,000 of its tokens: what a policy's storage costs beside the KV."""
-    segments = cache.index.match(prompt).segments
-    held = sum(p.nbytes() for node in segments if (rec := cache.table.get(node.key)) is not None
-               for (_, kind), p in rec.pieces.items() if kind in ("recurrent", "conv", "sketch"))
+    segments = cache.segments_of(prompt)
+    held = sum(p.nbytes() for view in segments if view.record is not None
+               for (_, kind), p in view.record.pieces.items() if kind in ("recurrent", "conv", "sketch"))
     return 1000 * held / max(1, len(segments) * cache.block_size)
 
 

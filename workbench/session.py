@@ -68,8 +68,7 @@ def _disk_corrupt_blob(session: "ChatSession", records) -> int:
 
 
 def _forget_memory(session: "ChatSession") -> None:
-    for key in [r.key for r in session.cache.table]:
-        session.cache.table.remove(key)
+    session.cache.forget_memory()
 
 
 # every drill that works on a live cache, plus the disk faults of the workbench's own tier
@@ -564,7 +563,7 @@ class ChatSession:
         if self.cache is None:
             raise ValueError("the cache is off (--reuse off): there is nothing to damage")
         ids = self.prompt_ids(self.path())
-        records = [r for r in (self.cache.table.get(n.key) for n in self.cache.index.match(ids).segments) if r]
+        records = [view.record for view in self.cache.segments_of(ids) if view.record is not None]
         if not records:
             raise ValueError("nothing of this conversation is cached yet: send a message first")
         damaged = FAULTS[name](self, records)
@@ -577,12 +576,12 @@ class ChatSession:
         ids = self.prompt_ids(self.path())
         b = self.cache.block_size
         rows = []
-        for node in self.cache.index.match(ids).segments:
-            rec = self.cache.table.get(node.key)
+        for view in self.cache.segments_of(ids):
+            rec = view.record
             kinds = {k for _, k in rec.pieces} if rec else set()
-            on_disk = node.key in self.cache.persisted or self.tier.has(node.key)
+            on_disk = view.persisted or self.tier.has(view.key)
             tier = rec.tier if rec else ("disk" if on_disk else "gone")
-            rows.append(SegmentRow(node.index, (node.index * b, (node.index + 1) * b), tier,
+            rows.append(SegmentRow(view.index, (view.index * b, (view.index + 1) * b), tier,
                                    {col: bool(kinds & set(ks)) for col, ks in PRESENCE.items()}, on_disk,
                                    rec.exact if rec else True,
                                    rec.last_access_step if rec else -1))

@@ -20,7 +20,7 @@ from engine.cache.state_table import SegmentRecord
 
 
 def _records(cache: PrefixCache, tokens: list[int]) -> list[SegmentRecord]:
-    return [cache.table.get(n.key) for n in cache.index.match(tokens).segments]
+    return [view.record for view in cache.segments_of(tokens)]
 
 
 def _drop(cache, records, kinds: set[str], which: Callable[[int, int], bool]) -> int:
@@ -149,8 +149,7 @@ def _copy(data):
 
 def _from_lower_only(cache) -> None:
     """Forget every record in memory: the next hit must come from the lower tier."""
-    for key in [r.key for r in cache.table]:
-        cache.table.remove(key)
+    cache.forget_memory()
 
 
 def fail_lower_read(cache, records):

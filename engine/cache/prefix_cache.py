@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from engine.cache.gdn_state import GDNState, sketch, unsketch
 from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
-from engine.cache.state_table import StateTable
+from engine.cache.state_table import SegmentRecord, StateTable
 from engine.cache.states import ModelState, Piece
 from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator, check_buffer
 from engine.cache.writer import RequestWriter
@@ -101,6 +101,15 @@ class LowerTier(Protocol):
         """Wait until every save handed over is written; False if that is not possible."""
     def take_failures(self) -> list[tuple[bytes, str]]:
         """The saves that failed since the last call, once each: (key, why)."""
+
+
+class SegmentView(NamedTuple):
+    """One matched segment as `segments_of` reports it: `record` is None when memory no longer
+    holds it (spilled to the lower tier, or gone); `persisted`: saved to the lower tier."""
+    index: int
+    key: bytes
+    record: SegmentRecord | None
+    persisted: bool
 
 
 class PrefixCache:
@@ -429,6 +438,20 @@ class PrefixCache:
         for key in plan.keys:
             self.table.remove(key)
             self.index.remove(key)
+
+    def segments_of(self, tokens: Sequence[int]) -> list[SegmentView]:
+        """The cached segments of `tokens`' longest matched prefix, root first: what the workbench's
+        segment table shows and what a fault drill damages. Touches nothing (no fetch, no access)."""
+        return [SegmentView(node.index, node.key, self.table.get(node.key), node.key in self.persisted)
+                for node in self.index.match(tokens).segments]
+
+    def forget_memory(self) -> int:
+        """Drop every record held in memory (the index and the lower tier keep theirs): the next
+        hit must come from the lower tier. Returns how many were dropped."""
+        keys = [rec.key for rec in self.table]
+        for key in keys:
+            self.table.remove(key)
+        return len(keys)
 
     def writer(self, plan: ReusePlan, ticket: int | None = None) -> RequestWriter:
         return RequestWriter(self, plan, ticket)
