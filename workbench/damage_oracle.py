@@ -10,9 +10,11 @@ from pathlib import Path
 
 
 def chat_options(folder: Path, db: Path, **kw):
+    """The options of every session the engine opens (the pristine chat, the oracle's, each case's):
+    small blocks and a checkpoint at every segment, so that a few turns fill several segments."""
     from workbench.session import ChatOptions
 
-    return ChatOptions(model=folder, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw)
+    return ChatOptions.of(model=folder, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw)
 
 
 class Oracle:

@@ -10,7 +10,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-
 COLUMN_KINDS = ("bitflip", "truncate", "null", "type", "swap")
 ROW_KINDS = ("delete", "clone")
 TREE_KINDS = ("cycle", "dangling_tip")
