@@ -1,5 +1,6 @@
 """A conversation's model name, kept in a table of its own, `conversation_meta` (conversation id ->
-a JSON object, {"model_name": ...}), so that the conversations table stays as older readers know it."""
+a JSON object, {"model_name": ...}; made by store/db.py's migration m004), so that the
+conversations table stays as older readers know it."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ META = "conversation_meta"
 
 
 def has_meta(db: sqlite_utils.Database) -> bool:
+    """Whether the table is there: a migrated file has it, but one damaged by hand may have lost it,
+    and the reads still answer (without model names)."""
     return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", [META]).fetchone() is not None
 
 
 def keep_model_name(db: sqlite_utils.Database, conversation_id: str, model_name: str) -> None:
-    db.execute(f"CREATE TABLE IF NOT EXISTS {META} (conversation TEXT PRIMARY KEY, meta TEXT)")
     db.execute(f"INSERT INTO {META} (conversation, meta) VALUES (?, ?)",
                [conversation_id, json.dumps({"model_name": model_name})])
 

@@ -1,4 +1,4 @@
-"""Conversations as a tree of messages in the workbench database (tables: store/db.py, m002): the
+"""Conversations as a tree of messages in the workbench database (tables: store/db.py, m002, m004): the
 `Conversations` front door, its writes, and the reads that the modules below answer.
 
 A message's id is a digest of (conversation, parent, role, content): the same message under the
@@ -16,8 +16,8 @@ lists conversations as `hcw conversations` shows them (a title from the first us
 model's name, counts), newest first, optionally only those whose text matches a query.
 
 A conversation's model name lives in a table of its own, `conversation_meta` (conversation id ->
-a JSON object, {"model_name": ...}), made by the first `create` that has one: older files and
-older readers of the conversations table are left as they are.
+a JSON object, {"model_name": ...}), made by the migration m004 (store/db.py) when a file is
+opened: older readers of the conversations table find it as they know it.
 
 The rows may be damaged (a file edited by hand, written with foreign keys off, restored from a
 broken copy): every walk is bounded, `path` raises `ConversationDamaged` naming the damage and what

@@ -14,6 +14,8 @@ One file per workbench home. Tables:
     conversations, messages, threads
               chats as a message tree (store/conversations.py): messages content-addressed under
               their parent, threads a named mutable tip
+    conversation_meta
+              conversation id -> a JSON object, {"model_name": ...} (store/conversation_meta.py)
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def m002_conversations(db: sqlite_utils.Database) -> None:
 @migrations()
 def m003_blob_packs(db: sqlite_utils.Database) -> None:
     db["blobs"].add_column("members", str)
+
+
+@migrations()
+def m004_conversation_meta(db: sqlite_utils.Database) -> None:
+    # before this migration the first conversation given a model name made the table: such a file
+    # has it already, with these columns
+    db.execute("CREATE TABLE IF NOT EXISTS conversation_meta (conversation TEXT PRIMARY KEY, meta TEXT)")
 
 
 def now() -> str:
