@@ -252,7 +252,7 @@ def test_migrations_upgrade_a_database_made_before_conversations(tmp_path):
     assert {"conversations", "messages", "threads"} <= set(db.table_names())
     assert [r["fingerprint"] for r in db["models"].rows] == ["ff"]
     assert {r["name"] for r in db["_sqlite_migrations"].rows} == {"m001_cache_tables", "m002_conversations",
-                                                                  "m003_blob_packs"}
+                                                                  "m003_blob_packs", "m004_conversation_meta"}
     assert "members" in db["blobs"].columns_dict
     _, main = Conversations(db).create(system="hi")
     assert Conversations(db).path(main.id)[0].content == "hi"
