@@ -111,7 +111,7 @@ def kernel_rows(device: str, quick: bool) -> list[str]:
 def engine_rows(lengths: tuple[int, ...]) -> list[str]:
     import tempfile
 
-    from engine import load_model
+    from engine import EngineConfig, load_model
     from engine.engine import Engine
     from engine.model.random_init import qwen3_5_text_dict, write_random_model
 
@@ -119,22 +119,21 @@ def engine_rows(lengths: tuple[int, ...]) -> list[str]:
                                                                                   max_positions=65536))
     model = load_model(folder, dtype="bf16", device="cuda")
     rows = ["| kernels | KV layout | prompt | prefill tok/s | decode tok/s |", "|---|---|---:|---:|---:|"]
-    # decode captured as a CUDA graph (HCW_STATIC=1), the engine's default on CUDA (Triton everywhere,
-    # paged KV), the same with full attention on scaled_dot_product_attention over one dense
-    # buffer, and the torch reference
-    for label, mode, layout, static in (("Triton + CUDA graph", "auto", "paged", "1"), ("Triton", "auto", "paged", "0"),
-                                        ("Triton (GDN) + SDPA", "auto", "dense", "0"),
-                                        ("reference", "reference", "dense", "0")):
-        os.environ["HCW_KERNELS"], os.environ["HCW_KV"], os.environ["HCW_STATIC"] = mode, layout, static
+    # decode captured as a CUDA graph (EngineConfig.static, HCW_STATIC=1), the engine's default on
+    # CUDA (Triton everywhere, paged KV), the same with full attention on scaled_dot_product_attention
+    # over one dense buffer, and the torch reference
+    for label, mode, layout, static in (("Triton + CUDA graph", "auto", "paged", True),
+                                        ("Triton", "auto", "paged", False),
+                                        ("Triton (GDN) + SDPA", "auto", "dense", False),
+                                        ("reference", "reference", "dense", False)):
+        config = EngineConfig(dtype=model.dtype, device="cuda", kernels=mode, kv_layout=layout, static=static)
         for n in lengths:
             ids = torch.randint(0, 263, (n,)).tolist()
-            engine = Engine(model)
+            engine = Engine(model, config)
             prefill = _time(lambda: engine.start(ids), 1)
             state = engine.start(ids).state
             decode = _time(lambda: engine.decode(1, state), 32)
             rows.append(f"| {label} | {layout} | {n} | {n / prefill:.0f} | {1 / decode:.0f} |")
-    for name in ("HCW_KERNELS", "HCW_KV", "HCW_STATIC"):
-        os.environ.pop(name, None)
     return rows
 
 

@@ -21,8 +21,9 @@ from engine.cache.writer import RequestWriter
 from engine.config import EngineConfig
 from engine.events import CacheLookup
 from engine.model.hybrid import HybridModel
-from engine.static_decode import StaticDecoder, StaticUnsupported, static_enabled
+from engine.static_decode import StaticDecoder, StaticUnsupported
 from engine.threads import intra_op_threads
+from kernels import dispatch
 
 
 class PromptError(ValueError):
@@ -89,9 +90,13 @@ class Engine:
             # its states were made (and are fingerprinted) under one arithmetic; reuse under the other is not bit-exact
             raise ValueError("the engine and its cache must agree on deterministic (bit-exact) arithmetic")
         self.cache = cache
-        # HCW_STATIC, read once: decode is the hot path; its fused buffers are not the arithmetic the
-        # deterministic prefill's single-token steps take, so bit-exact mode decodes as usual
-        self.static = static_enabled() and not self.config.deterministic
+        # the kernel choice is the process's and the KV layout the model's: an engine that names one sets it
+        dispatch.select(self.config.kernels, self.config.native)
+        if self.config.kv_layout is not None:
+            model.use_kv_layout(self.config.kv_layout)
+        # a captured decode's fused buffers are not the arithmetic the deterministic prefill's
+        # single-token steps take, so bit-exact mode decodes as usual
+        self.static = self.config.static and not self.config.deterministic
 
     def metrics(self) -> dict:
         return self.cache.metrics.as_dict() if self.cache is not None else {}

@@ -21,7 +21,6 @@ with the ordinary decode. `HCW_STATIC=1` (read when an Engine is made) turns it 
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -36,13 +35,6 @@ WARMUP = 2  # uncaptured steps before a capture: kernels compiled, workspaces an
 
 class StaticUnsupported(Exception):
     """A model or state the static step does not cover (the engine then decodes as usual)."""
-
-
-def static_enabled() -> bool:
-    value = os.environ.get("HCW_STATIC", "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"HCW_STATIC={value!r}; 0 or 1")
-    return value == "1"
 
 
 class StaticDecoder:
@@ -179,7 +171,7 @@ class StaticDecoder:
         from kernels.dispatch import mode
 
         if mode() == "reference":  # the torch references read lengths back: not capturable
-            self.capture_error = "HCW_KERNELS=reference"
+            self.capture_error = "kernels: reference"
             return False
         graph = torch.cuda.CUDAGraph()
         try:

@@ -1,42 +1,54 @@
 """Which implementation of an op runs: Triton on CUDA, the torch reference on CPU.
 
-    HCW_KERNELS=reference   always the torch reference (the oracle, and the CPU path)
-    HCW_KERNELS=triton      always Triton (on CPU only under TRITON_INTERPRET=1: how CI tests kernels)
-    unset / auto            Triton when every tensor is on CUDA, else the reference
+    reference   always the torch reference (the oracle, and the CPU path)
+    triton      always Triton (on CPU only under TRITON_INTERPRET=1: how CI tests kernels)
+    auto        Triton when every tensor is on CUDA, else the reference
 
-`empty` is the allocation every launcher uses for its outputs; with HCW_POISON_EMPTY=1 (the kernel
-tests) it fills them with NaN, so an element a kernel forgot to write cannot pass a comparison.
+The choice is `select`ed once per process (EngineConfig.kernels; the CLI maps HCW_KERNELS onto it),
+with the native CPU kernels' (EngineConfig.native, HCW_NATIVE). `empty` is the allocation every
+launcher uses for its outputs; with `poison_empty` (the kernel tests) it fills them with NaN, so an
+element a kernel forgot to write cannot pass a comparison.
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 
 MODES = ("auto", "reference", "triton")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels take for activations
+NATIVE_MODES = ("auto", "0", "1")  # kernels/native: as available, never, required
 
 
-# CPython keeps os.environ's values in this dict (bytes keys on POSIX), updated by every
-# os.environ write: a lookup there costs ~50 ns against os.environ.get's ~600 ns (key encoding,
-# the Mapping machinery), and a CPU decode step asks ~25 times which path to take
-_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
+@dataclass(frozen=True)
+class Choice:
+    kernels: str = "auto"
+    native: str = "auto"
 
 
-def getenv(name: str, default: str) -> str:
-    """os.environ.get(name, default), at a dict lookup's cost where CPython allows."""
-    if _ENVIRON is None:
-        return os.environ.get(name, default)
-    value = _ENVIRON.get(name.encode())
-    return default if value is None else os.fsdecode(value)
+# the process's choice: ops are free functions called deep inside a forward, so it is one setting
+# an entry point makes (`select`: the CLI, and an Engine whose EngineConfig names one), not an argument
+_choice = Choice()
+
+
+def select(kernels: str | None = None, native: str | None = None) -> None:
+    """Which implementations the ops take from now on, in this process (None: as before)."""
+    global _choice
+    kernels, native = kernels or _choice.kernels, native or _choice.native
+    if kernels not in MODES:
+        raise ValueError(f"kernels={kernels!r}; one of {', '.join(MODES)}")
+    if native not in NATIVE_MODES:
+        raise ValueError(f"native={native!r}; one of {', '.join(NATIVE_MODES)}")
+    _choice = Choice(kernels, native)
 
 
 def mode() -> str:
-    value = getenv("HCW_KERNELS", "auto") or "auto"
-    if value not in MODES:
-        raise ValueError(f"HCW_KERNELS={value!r}; one of {', '.join(MODES)}")
-    return value
+    return _choice.kernels
+
+
+def native_mode() -> str:
+    return _choice.native
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -46,9 +58,12 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
+poison_empty = False  # the kernel tests set it: a launcher's outputs start as NaN
+
+
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     out = torch.empty(*shape, dtype=dtype, device=device)
-    if os.environ.get("HCW_POISON_EMPTY") == "1" and out.is_floating_point():
+    if poison_empty and out.is_floating_point():
         out.fill_(float("nan"))
     return out
 

@@ -6,6 +6,8 @@ import tempfile
 import pytest
 import torch
 
+from kernels import dispatch
+
 # without a GPU, Triton kernels are tested through Triton's interpreter on CPU tensors; triton.jit
 # reads this when a kernel is defined, so it is set before any test imports one
 if not torch.cuda.is_available():
@@ -21,3 +23,11 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(42)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_auto(monkeypatch):
+    """Every test starts on the default kernel choice; what a test (`dispatch.select`, or an engine
+    it builds) selects is undone after it."""
+    monkeypatch.setattr(dispatch, "_choice", dispatch.Choice())
+

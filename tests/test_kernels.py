@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from kernels import dispatch
 from kernels.gated_delta import recurrent_gated_delta
 from kernels.gated_delta import reference
@@ -18,7 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setenv("HCW_POISON_EMPTY", "1")
+    monkeypatch.setattr(dispatch, "poison_empty", True)
 
 
 def _inputs(b, t, hk, hv, dk, dv, dtype, seed=0, state=True):
@@ -73,12 +74,13 @@ def test_dispatch_runs_the_reference_on_cpu_and_triton_when_forced(monkeypatch):
     calls = []
     monkeypatch.setattr(reference, "recurrent_gated_delta", lambda *a: calls.append("reference") or ("r", None))
     assert recurrent_gated_delta(*args)[0] == "r" and calls == ["reference"]
-    monkeypatch.setenv("HCW_KERNELS", "triton")  # on CPU: the interpreter
+    dispatch.select("triton")  # on CPU: the interpreter
     o, _ = recurrent_gated_delta(args[0], args[1], args[2].transpose(1, 2).contiguous().transpose(1, 2), *args[3:])
     assert o.shape == args[2].shape and calls == ["reference"]  # non-contiguous views are made dense first
-    monkeypatch.setenv("HCW_KERNELS", "sometimes")
     with pytest.raises(ValueError, match="HCW_KERNELS"):
-        dispatch.use_triton(args[0])
+        EngineConfig.from_env({"HCW_KERNELS": "sometimes"})
+    with pytest.raises(ValueError, match="sometimes"):
+        dispatch.select("sometimes")
 
 
 @pytest.mark.parametrize("b, n, w, d", [(1, 1, 4, 8), (2, 3, 8, 20), (1, 5, 3, 70), (2, 0, 4, 8)])
@@ -126,7 +128,7 @@ def test_a_v4_model_gives_the_same_logits_with_the_kernels_forced(monkeypatch):
     ids = torch.randint(0, 263, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(ids)
-        monkeypatch.setenv("HCW_KERNELS", "triton")
+        dispatch.select("triton")
         forced = model(ids)
     assert (forced - expected).abs().max().item() <= 1e-4
 
@@ -245,7 +247,7 @@ def test_a_qwen_model_gives_the_same_logits_with_the_gdn_kernels_forced(monkeypa
 
     with torch.no_grad():
         expected = run()
-        monkeypatch.setenv("HCW_KERNELS", "triton")
+        dispatch.select("triton")
         forced = run()
     for a, b in zip(forced, expected):
         assert (a - b).abs().max().item() <= 1e-4
@@ -350,7 +352,7 @@ def test_a_v4_model_decodes_the_same_with_the_kernels_forced(monkeypatch):
 
     with torch.no_grad():
         expected = run()
-        monkeypatch.setenv("HCW_KERNELS", "triton")
+        dispatch.select("triton")
         forced = run()
     assert (forced - expected).abs().max().item() <= 1e-4
 

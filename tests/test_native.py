@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import dispatch
+
 import kernels.native as native
 from engine.cache.config import CacheConfig
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.gdn_state import GDNState
 from engine.cache.kv import KVState
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.attention import GatedAttention
 from engine.model.gdn import GatedDeltaNet
@@ -37,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _required(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("HCW_NATIVE", "1")
+    dispatch.select(native="1")
     monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
-    monkeypatch.delenv("HCW_KERNELS", raising=False)
+    dispatch.select("auto")
 
 
 def _gdn(n_k, n_v, dk, dv, kernel=4, hidden=48, seed=0):
@@ -60,9 +62,9 @@ def _gdn(n_k, n_v, dk, dv, kernel=4, hidden=48, seed=0):
 
 def _steps(layer, xs, state, monkeypatch, path):
     if path == "torch":
-        monkeypatch.setenv("HCW_KERNELS", "reference")
+        dispatch.select("reference")
     else:
-        monkeypatch.delenv("HCW_KERNELS", raising=False)
+        dispatch.select("auto")
     outs = [layer(xs[:, i:i + 1], state, 5 + i) for i in range(xs.shape[1])]
     return torch.cat(outs, 1)
 
@@ -121,9 +123,9 @@ def test_outputs_are_float32_whatever_the_default_dtype(monkeypatch):
     with torch.no_grad():
         gdn(x[:, :2], gdn_state, 0)
         attn(x[:, :2], kv, 0)
-        monkeypatch.setenv("HCW_KERNELS", "reference")
+        dispatch.select("reference")
         expected = gdn(x[:, 2:], copy.deepcopy(gdn_state), 2), attn(x[:, 2:], copy.deepcopy(kv), 2)
-        monkeypatch.setenv("HCW_KERNELS", "auto")
+        dispatch.select("auto")
         before = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
         try:
@@ -140,9 +142,9 @@ def test_a_model_decodes_the_same_on_either_path(monkeypatch):
     engine = Engine(model)
     prompt = list(range(3, 40))
     params = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)
-    monkeypatch.setenv("HCW_KERNELS", "reference")
+    dispatch.select("reference")
     expected = engine.generate(prompt, params)
-    monkeypatch.delenv("HCW_KERNELS")
+    dispatch.select("auto")
     calls = []
     real = native_decode.decode_step
     monkeypatch.setattr(native_decode, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -152,7 +154,7 @@ def test_a_model_decodes_the_same_on_either_path(monkeypatch):
     with torch.inference_mode():
         logits = []
         for path in ("reference", "auto"):
-            monkeypatch.setenv("HCW_KERNELS", path)
+            dispatch.select(path)
             state = engine.new_state()
             engine.prefill(prompt, state)
             logits.append(torch.stack([engine.decode(t, state) for t in expected.token_ids]))
@@ -172,7 +174,7 @@ def test_a_resumed_turn_decodes_the_same_on_either_path(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, _r=real, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1) or _r(*a, **k))
     answers = {}
     for path in ("reference", "auto"):
-        monkeypatch.setenv("HCW_KERNELS", path)
+        dispatch.select(path)
         engine = Engine(model, cache=PrefixCache(model, CacheConfig(block_size=16)))
         engine.generate(first, params)
         again = engine.generate(second, params)
@@ -213,7 +215,7 @@ def test_attention_decode_steps_match_the_torch_path(heads, kv_heads, head_dim, 
     monkeypatch.setattr(attn_decode, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
         for path in ("reference", "auto"):
-            monkeypatch.setenv("HCW_KERNELS", path)
+            dispatch.select(path)
             state = layer.new_state(batch, torch.float32, "cpu")
             assert type(state) is KVState
             layer(warm, state, 0)
@@ -238,9 +240,9 @@ def test_rms_norm_and_the_fused_residual_add_match_the_torch_path(unit_offset, s
     real = native_norm.rms_norm
     monkeypatch.setattr(native_norm, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
-        monkeypatch.setenv("HCW_KERNELS", "reference")
+        dispatch.select("reference")
         expected, (expected_sum, expected_sum_norm) = norm(x), norm.add_forward(x, delta)
-        monkeypatch.setenv("HCW_KERNELS", "auto")
+        dispatch.select("auto")
         got, (got_sum, got_sum_norm) = norm(x), norm.add_forward(x, delta)
     assert len(calls) == 2
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -294,7 +296,7 @@ def test_other_dtypes_and_forced_paths_stay_on_torch(monkeypatch):
         assert not attn_decode.applies(qkv.bfloat16(), kv.k.bfloat16(), kv.v.bfloat16())
         assert not attn_decode.applies(qkv, kv.k.transpose(2, 3), kv.v.transpose(2, 3))
         assert native_norm.applies(qkv) and not native_norm.applies(qkv.view(8, 8).t())
-        monkeypatch.setenv("HCW_KERNELS", "reference")
+        dispatch.select("reference")
         assert not native_decode.applies(proj, state.conv, state.recurrent)
         assert not attn_decode.applies(qkv, kv.k, kv.v)
         assert not native_norm.applies(qkv)
@@ -326,7 +328,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_or_raises_when_required(name, 
     monkeypatch.setattr(native, "_loaded", {})
     with pytest.raises(native.NativeUnavailable, match=name):
         native.library(name)
-    monkeypatch.setenv("HCW_NATIVE", "auto")
+    dispatch.select(native="auto")
     monkeypatch.setattr(native, "_loaded", {})
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
         assert native.library(name) is None
@@ -350,9 +352,10 @@ def test_a_damaged_build_is_built_again(monkeypatch, tmp_path):
 
 
 def test_native_off_and_a_bad_setting(monkeypatch):
-    monkeypatch.setenv("HCW_NATIVE", "0")
+    dispatch.select(native="0")
     monkeypatch.setattr(native, "_loaded", {})
     assert native.library("gdn_decode") is None
-    monkeypatch.setenv("HCW_NATIVE", "yes")
     with pytest.raises(ValueError, match="HCW_NATIVE"):
-        native.library("gdn_decode")
+        EngineConfig.from_env({"HCW_NATIVE": "yes"})
+    with pytest.raises(ValueError, match="yes"):
+        dispatch.select(native="yes")

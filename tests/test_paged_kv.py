@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import dispatch
+
 from engine.cache.config import CacheConfig
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.kv import PAGE, KVState, PagedKVState, kv_layout
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.hybrid import HybridModel
 from engine.model.random_init import init_random, qwen3_5_text_dict
@@ -65,7 +67,7 @@ def test_assemble_and_export_move_whole_blocks_through_the_segment_kernels(monke
     """Segments arrive (assemble: one scatter of whole blocks) and leave (export: one gather, then
     cut) through kernels.segments: the torch reference, or Triton (the interpreter on CPU)."""
     dense, paged = _filled([n])
-    monkeypatch.setenv("HCW_KERNELS", kernels)
+    dispatch.select(kernels)
     pieces = [paged.export(lo, min(lo + 16, n))["kv"].data for lo in range(0, n, 16)]
     rebuilt = paged.assemble(n - 1, {"kv": pieces})  # the pieces may run past seq_len
     assert isinstance(rebuilt, PagedKVState) and rebuilt.length == n - 1 and rebuilt.lengths.tolist() == [n - 1] * 2
@@ -76,14 +78,12 @@ def test_assemble_and_export_move_whole_blocks_through_the_segment_kernels(monke
     assert all(t.untyped_storage().data_ptr() not in pools for t in got)  # copies, never views of the pool
 
 
-def test_kv_layout_is_dense_on_cpu_unless_asked_and_refuses_a_bad_value(monkeypatch):
-    monkeypatch.delenv("HCW_KV", raising=False)
-    assert kv_layout("cpu") == "dense" and kv_layout("cuda") == "paged"
-    monkeypatch.setenv("HCW_KV", "paged")
-    assert kv_layout("cpu") == "paged"
-    monkeypatch.setenv("HCW_KV", "pagd")
+def test_kv_layout_is_dense_on_cpu_unless_asked_and_refuses_a_bad_value():
+    assert kv_layout("auto", "cpu") == "dense" and kv_layout("auto", "cuda") == "paged"
+    assert EngineConfig.from_env({}).kv_layout is None  # unset: the model's own (auto)
+    assert kv_layout(EngineConfig.from_env({"HCW_KV": "paged"}).kv_layout, "cpu") == "paged"
     with pytest.raises(ValueError, match="HCW_KV"):
-        kv_layout("cpu")
+        EngineConfig.from_env({"HCW_KV": "pagd"})
 
 
 def _qwen(hidden=128, layers=4):  # 2 query heads over 1 key-value head: GQA
@@ -103,9 +103,9 @@ def test_a_qwen_model_gives_the_same_logits_with_paged_kv(monkeypatch):
     model = _qwen()
     ids = torch.randint(0, 263, (1, 140), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        monkeypatch.setenv("HCW_KV", "dense")
+        model.use_kv_layout("dense")
         expected, dense_state = _run(model, ids, 60)
-        monkeypatch.setenv("HCW_KV", "paged")
+        model.use_kv_layout("paged")
         got, paged_state = _run(model, ids, 60)
     assert any(isinstance(s, PagedKVState) for s in paged_state.layers)
     assert not any(isinstance(s, PagedKVState) for s in dense_state.layers)
@@ -118,10 +118,10 @@ def test_paged_kv_with_the_triton_kernels_forced_gives_the_same_logits(monkeypat
     model = _qwen(hidden=32, layers=4)
     ids = torch.randint(0, 263, (1, 68), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        monkeypatch.setenv("HCW_KV", "dense")
+        model.use_kv_layout("dense")
         expected, _ = _run(model, ids, 62)
-        monkeypatch.setenv("HCW_KV", "paged")
-        monkeypatch.setenv("HCW_KERNELS", "triton")
+        model.use_kv_layout("paged")
+        dispatch.select("triton")
         got, _ = _run(model, ids, 62)
     assert (got - expected).abs().max().item() <= 1e-4
 
@@ -130,10 +130,10 @@ def test_paged_kv_with_the_triton_kernels_forced_gives_the_same_logits(monkeypat
 def test_prefix_cache_hits_with_paged_kv_are_exact(monkeypatch, kernels):
     """Segments exported from paged states and assembled back into them (through the segment
     kernels): each turn's hit gives a cold prefill's logits, and generation continues from it."""
-    monkeypatch.setenv("HCW_KV", "paged")
-    monkeypatch.setenv("HCW_KERNELS", kernels)
     model = _qwen()
-    engine = Engine(model, cache=PrefixCache(model, CacheConfig(block_size=16, checkpoint_every=1)))
+    model.use_kv_layout("paged")  # before the cache is made: it assembles states of its model's layout
+    engine = Engine(model, EngineConfig(kernels=kernels),
+                    cache=PrefixCache(model, CacheConfig(block_size=16, checkpoint_every=1)))
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 263, (90,), generator=g).tolist()
     with torch.no_grad():
@@ -155,7 +155,7 @@ def test_a_replay_over_a_paged_state_reads_its_keys_in_place_and_writes_nothing(
     out = {}
     with torch.no_grad():
         for layout in ("dense", "paged"):
-            monkeypatch.setenv("HCW_KV", layout)
+            model.use_kv_layout(layout)
             state = model.new_state()
             model(ids, state)
             kv = [i for i, s in enumerate(state.layers) if hasattr(s, "read")]
@@ -177,8 +177,8 @@ def test_the_engine_trusts_the_table_it_built_and_direct_calls_are_still_checked
 
     model = _qwen(hidden=128, layers=4)
     ids = torch.randint(0, 263, (1, 66), generator=torch.Generator().manual_seed(2))
-    monkeypatch.setenv("HCW_KV", "paged")
-    monkeypatch.setenv("HCW_KERNELS", "triton")
+    model.use_kv_layout("paged")
+    dispatch.select("triton")
     monkeypatch.setattr(paged, "_check_table", refuse)
     with torch.no_grad():
         state = model.new_state()

@@ -7,15 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import dispatch
+
 from engine.cache.config import CacheConfig
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.gdn_state import GDNState
 from engine.cache.kv import PagedKVState
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.hybrid import HybridModel
 from engine.model.random_init import hcw_hybrid_dict, init_random, qwen3_5_text_dict
-from engine.static_decode import StaticDecoder, StaticUnsupported, static_enabled
+from engine.static_decode import StaticDecoder, StaticUnsupported
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -87,7 +89,7 @@ def test_static_steps_with_the_triton_kernels_forced(monkeypatch):
     ids = _ids(70)
     with torch.no_grad():
         expected, _ = _eager(model, ids, 62)
-        monkeypatch.setenv("HCW_KERNELS", "triton")
+        dispatch.select("triton")
         state = model.new_state()
         got = [model(ids[:, :62], state)[:, -1]]
         decoder = StaticDecoder(model, state)
@@ -96,7 +98,7 @@ def test_static_steps_with_the_triton_kernels_forced(monkeypatch):
 
 
 def test_the_engine_decodes_statically_when_asked_and_the_cache_stays_exact(monkeypatch):
-    """HCW_STATIC=1: the engine's decode goes through a StaticDecoder (re-made when a turn's prefill
+    """EngineConfig.static (HCW_STATIC=1): the engine's decode goes through a StaticDecoder (re-made when a turn's prefill
     moved past its capacity); the tokens are the ordinary ones and the segments it recorded give
     an exact hit."""
     model = _qwen()
@@ -104,8 +106,8 @@ def test_the_engine_decodes_statically_when_asked_and_the_cache_stays_exact(monk
     params = SamplingParams(max_new_tokens=24, greedy=True)
     with torch.no_grad():
         plain = Engine(model).generate(prompt, params).token_ids
-        monkeypatch.setenv("HCW_STATIC", "1")
-        engine = Engine(model, cache=PrefixCache(model, CacheConfig(block_size=16, checkpoint_every=1)))
+        engine = Engine(model, EngineConfig(static=True),
+                        cache=PrefixCache(model, CacheConfig(block_size=16, checkpoint_every=1)))
         gen = engine.generate(prompt, params)
         decoder = gen.state.extra.get("static")
         assert isinstance(decoder, StaticDecoder) and gen.token_ids == plain
@@ -118,11 +120,10 @@ def test_the_engine_decodes_statically_when_asked_and_the_cache_stays_exact(monk
 
 
 def test_a_model_the_static_step_does_not_cover_decodes_as_usual(monkeypatch):
-    monkeypatch.setenv("HCW_STATIC", "1")
     model = init_random(HybridModel(ModelConfig.from_dict(hcw_hybrid_dict(hidden=64))), 1).eval()
     prompt = _ids(30)[0].tolist()
     with torch.no_grad():
-        gen = Engine(model).generate(prompt, SamplingParams(max_new_tokens=4, greedy=True))
+        gen = Engine(model, EngineConfig(static=True)).generate(prompt, SamplingParams(max_new_tokens=4, greedy=True))
     assert gen.state.extra["static"] is False and len(gen.token_ids) == 4
 
 
@@ -149,9 +150,9 @@ def test_the_topology_fingerprint_sees_every_moved_buffer_and_the_statistics_swi
         held = next(iter(attention.rotary._tables.values()))[0].shape[0]
         attention.rotary.reserve(held + 1, attention.head_dim, model.dtype, model.device)
         assert decoder.fingerprint() != tracked  # the shared RoPE tables were rebuilt (found in review)
-    monkeypatch.setenv("HCW_STATIC", "2")
+    assert EngineConfig.from_env({"HCW_STATIC": "1"}).static and not EngineConfig.from_env({}).static
     with pytest.raises(ValueError, match="HCW_STATIC"):
-        static_enabled()
+        EngineConfig.from_env({"HCW_STATIC": "2"})
 
 
 def test_models_whose_step_reads_values_back_are_not_taken():
@@ -170,9 +171,9 @@ def test_models_whose_step_reads_values_back_are_not_taken():
 
 def test_a_model_that_starts_with_full_attention_on_a_dense_state(monkeypatch):
     """(Found in review: the batch size was read off the first layer as if it were a GDN state.)"""
-    monkeypatch.setenv("HCW_KV", "dense")
     model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=128, layers=2, attn_every=2)
                                                           | {"layer_types": ["full_attention", "linear_attention"]})), 0).eval()
+    model.use_kv_layout("dense")
     ids = _ids(80)
     with torch.no_grad():
         expected, _ = _eager(model, ids, 60)

@@ -1,10 +1,9 @@
 """Full attention's state: exact keys and values for every position, in one buffer (KVState) or in
 fixed-size blocks of a pool through a block table (PagedKVState, the paged-attention kernels'
-layout); `kv_layout` picks one (HCW_KV)."""
+layout); `kv_layout` picks one (EngineConfig.kv_layout)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -90,21 +89,18 @@ class KVState:
         return KVState(k, v, seq_len)
 
 
-KV_LAYOUTS = ("auto", "dense", "paged")
 PAGE = 64  # positions per block of a paged KV state (a power of two: the Triton kernels tile by it)
 
 
-def kv_layout(device) -> str:
-    """How full-attention layers keep keys and values: HCW_KV=dense (one buffer per layer, read by
-    scaled_dot_product_attention), paged (a block pool and a block table, read by the paged-attention
-    kernels: Triton on CUDA, their torch reference elsewhere), or auto (unset): paged on CUDA, dense
-    elsewhere, where the reference's per-sequence gather costs more than one contiguous buffer."""
-    value = os.environ.get("HCW_KV", "auto") or "auto"
-    if value not in KV_LAYOUTS:
-        raise ValueError(f"HCW_KV={value!r}; one of {', '.join(KV_LAYOUTS)}")
-    if value == "auto":
+def kv_layout(choice: str, device) -> str:
+    """How full-attention layers keep keys and values (EngineConfig.kv_layout): dense (one buffer
+    per layer, read by scaled_dot_product_attention), paged (a block pool and a block table, read by
+    the paged-attention kernels: Triton on CUDA, their torch reference elsewhere), or auto: paged on
+    CUDA, dense elsewhere, where the reference's per-sequence gather costs more than one contiguous
+    buffer."""
+    if choice == "auto":
         return "paged" if torch.device(device).type == "cuda" else "dense"
-    return value
+    return choice
 
 
 @dataclass

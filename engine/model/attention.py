@@ -34,8 +34,10 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, unit_offset=True)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
+    kv_choice = "auto"  # EngineConfig.kv_layout, set through HybridModel.use_kv_layout
+
     def new_state(self, batch: int, dtype, device) -> KVState | PagedKVState:
-        kind = PagedKVState if kv_layout(device) == "paged" else KVState
+        kind = PagedKVState if kv_layout(self.kv_choice, device) == "paged" else KVState
         return kind.empty(batch, self.n_kv, self.head_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, state: KVState | PagedKVState | None, start: int) -> torch.Tensor:

@@ -114,6 +114,12 @@ class HybridModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def use_kv_layout(self, choice: str) -> None:
+        """How the full-attention layers' states made from now on keep KV (EngineConfig.kv_layout)."""
+        for blk in self.layers:
+            if isinstance(blk.mixer, GatedAttention):
+                blk.mixer.kv_choice = choice
+
     def new_state(self, batch: int = 1) -> ModelState:
         return ModelState([blk.mixer.new_state(batch, self.dtype, self.device) for blk in self.layers])
 

@@ -4,13 +4,13 @@ A decode step at the sizes hcw runs on a CPU is mostly dispatch: each torch op c
 whatever its size, and a Gated DeltaNet layer between its two projections is ~50 of them. The C
 here does that stretch in one call (through ctypes; no torch headers, so a build takes well under a
 second). Each kernel's reference is the torch path it replaces, which stays the path wherever the
-kernel does not apply (CUDA, other dtypes, `HCW_KERNELS=reference`) and which the tests compare
-it with.
+kernel does not apply (CUDA, other dtypes, kernels "reference") and which the tests compare it
+with. The choice is kernels/dispatch.py's `native` (EngineConfig.native; the CLI maps HCW_NATIVE):
 
-    HCW_NATIVE=auto (unset)  build and use the kernels when a C compiler is there; without one, the
-                             torch path (the reason is logged once)
-    HCW_NATIVE=0             never build or use them
-    HCW_NATIVE=1             require them: a failed build raises NativeUnavailable
+    auto   build and use the kernels when a C compiler is there; without one, the torch path (the
+           reason is logged once)
+    0      never build or use them
+    1      require them: a failed build raises NativeUnavailable
 
 Builds go to `$HCW_NATIVE_CACHE`, else `$XDG_CACHE_HOME/hcw/native`, else `~/.cache/hcw/native`,
 named by a digest of the source, the compiler, its flags and the processor's feature flags (the
@@ -34,13 +34,13 @@ from pathlib import Path
 
 import torch
 
-from kernels.dispatch import getenv
+from kernels.dispatch import NATIVE_MODES as MODES
 from kernels.dispatch import mode as kernels_mode
+from kernels.dispatch import native_mode as mode
 
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
-MODES = ("auto", "0", "1")
 # the argument types the launchers declare their C functions with
 P, I, F, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
@@ -50,18 +50,11 @@ _functions: dict[tuple[str, str], ctypes._CFuncPtr] = {}
 
 
 class NativeUnavailable(RuntimeError):
-    """HCW_NATIVE=1 and a kernel could not be built or loaded."""
-
-
-def mode() -> str:
-    value = getenv("HCW_NATIVE", "auto") or "auto"
-    if value not in MODES:
-        raise ValueError(f"HCW_NATIVE={value!r}; one of {', '.join(MODES)}")
-    return value
+    """native "1" (HCW_NATIVE=1) and a kernel could not be built or loaded."""
 
 
 def library(name: str) -> ctypes.CDLL | None:
-    """The built `kernels/native/<name>.c`, or None where it cannot be used (HCW_NATIVE=0, no
+    """The built `kernels/native/<name>.c`, or None where it cannot be used (native "0", no
     compiler, a failed build); the outcome is kept for the process."""
     if mode() == "0":
         return None
