@@ -32,7 +32,7 @@ import torch; mark("import torch")
 import workbench.cli, workbench.session, workbench.plain; mark("import hcw")
 from engine import load_model; m = load_model("hcw-tiny"); mark("build and load the model")
 from workbench.session import ChatOptions, ChatSession
-s = ChatSession(ChatOptions(db=sys.argv[1]), model=m); mark("open the file, index it, new conversation")
+s = ChatSession(ChatOptions.of(db=sys.argv[1]), model=m); mark("open the file, index it, new conversation")
 s.close(); mark("close")
 print(";".join(f"{n}={v}" for n, v in marks))
 """

@@ -34,7 +34,7 @@ PROMPT = "Tell me everything you remember, at length."
 
 
 def _options(db: Path, tokens: int) -> ChatOptions:
-    return ChatOptions(model="hcw-tiny", db=db, max_new_tokens=tokens, ignore_eos=True)
+    return ChatOptions.of(model="hcw-tiny", db=db, max_new_tokens=tokens, ignore_eos=True)
 
 
 async def _key_latency(app: ChatApp, key: str) -> float:

@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 
 def _session(model_dir, db, **kw) -> ChatSession:
-    return ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw))
+    return ChatSession(ChatOptions.of(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw))
 
 
 def _cold_answers(model_dir, tmp_path, turns):
@@ -157,7 +157,7 @@ def test_approximate_reuse_is_opt_in_and_labelled_everywhere(tmp_path):
     edited = long_fact[:-30] + "But this ending differs from the first."
     outcomes = {}
     for reuse in ("exact", "approximate"):
-        s = ChatSession(ChatOptions(model=qwen, db=tmp_path / f"{reuse}.db", block_size=16, checkpoint_every=100,
+        s = ChatSession(ChatOptions.of(model=qwen, db=tmp_path / f"{reuse}.db", block_size=16, checkpoint_every=100,
                                     checkpoint_tail=0, max_new_tokens=4, reuse=reuse, replay_budget=8))
         s.send(long_fact)
         s.edit(1, edited)
@@ -187,7 +187,7 @@ def test_replay_budget_parsing():
 
 def test_a_turn_that_cannot_run_leaves_the_thread_as_it_was(tmp_path):
     small = write_random_model(tmp_path / "small", hcw_hybrid_dict(hidden=64, max_positions=160), seed=2)
-    s = ChatSession(ChatOptions(model=small, db=tmp_path / "s.db", block_size=16, max_new_tokens=4))
+    s = ChatSession(ChatOptions.of(model=small, db=tmp_path / "s.db", block_size=16, max_new_tokens=4))
     before = [m.id for m in s.path()]
     with pytest.raises(ValueError, match="context limit"):
         s.send("x" * 300)
@@ -272,10 +272,10 @@ def test_gdn_sketches_are_opt_in_with_approximate_reuse_and_shown(tmp_path):
 
     qwen = write_random_model(tmp_path / "qwen", qwen3_5_text_dict(hidden=64, layers=4, attn_every=2), seed=1)
     with pytest.raises(ValueError, match="--gdn-sketches needs --reuse approximate"):
-        ChatOptions(model=qwen, sketch_every=2)
+        ChatOptions.of(model=qwen, sketch_every=2)
     long_fact = "The code for Mira is 4821. " + "Some filler words that go on and on. " * 8
     edited = long_fact[:-30] + "But this ending differs from the first."
-    s = ChatSession(ChatOptions(model=qwen, db=tmp_path / "s.db", block_size=16, checkpoint_every=100, checkpoint_tail=0,
+    s = ChatSession(ChatOptions.of(model=qwen, db=tmp_path / "s.db", block_size=16, checkpoint_every=100, checkpoint_tail=0,
                                 max_new_tokens=4, reuse="approximate", replay_budget=0.5, sketch_every=2))
     s.send(long_fact)
     s.edit(1, edited)

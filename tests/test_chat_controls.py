@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 def _session(model_dir, db, **kw) -> ChatSession:
     kw.setdefault("max_new_tokens", 6)
-    return ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, checkpoint_every=1, **kw))
+    return ChatSession(ChatOptions.of(model=model_dir, db=db, block_size=16, checkpoint_every=1, **kw))
 
 
 class Paced:
@@ -115,8 +115,8 @@ def test_bad_options_are_refused_when_the_session_is_made(model_dir, tmp_path):
     for kw in ({"temperature": 0.0, "greedy": False}, {"temperature": float("nan"), "greedy": False},
                {"top_p": 0.0}, {"seed": 2**64}, {"session": "abc", "continue_last": True}):
         with pytest.raises(ValueError):
-            ChatOptions(model=model_dir, db=tmp_path / "x.db", **kw)
-    ChatOptions(model=model_dir, db=tmp_path / "x.db", temperature=0.0)  # greedy: the temperature is not used
+            ChatOptions.of(model=model_dir, db=tmp_path / "x.db", **kw)
+    ChatOptions.of(model=model_dir, db=tmp_path / "x.db", temperature=0.0)  # greedy: the temperature is not used
     s = _session(model_dir, tmp_path / "n.db")
     for value in ("nan", "inf", "-1"):
         with pytest.raises(ValueError, match="/set temperature"):

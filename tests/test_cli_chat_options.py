@@ -44,7 +44,7 @@ def test_sampling_options_reach_chat_options(captured):
     assert (opts.temperature, opts.top_p, opts.seed, opts.greedy) == (0.5, 0.9, 7, False)
     assert _opts(captured, "--top-p", "0.5").greedy is False  # either one turns sampling on
     plain = _opts(captured)
-    defaults = session.ChatOptions()
+    defaults = session.ChatOptions.of()
     assert (plain.temperature, plain.top_p, plain.seed, plain.greedy, plain.system) == (
         defaults.temperature, defaults.top_p, defaults.seed, True, defaults.system)
     assert _opts(captured, "--seed", "3").greedy is True  # a seed alone keeps greedy decoding
@@ -70,7 +70,7 @@ def test_bad_chat_options_exit_2_with_one_line(args, message):
 
 
 def test_help_defaults_are_chat_options_defaults():
-    defaults = session.ChatOptions()
+    defaults = session.ChatOptions.of()
     assert cli.CHAT_DEFAULTS == {k: getattr(defaults, k) for k in cli.CHAT_DEFAULTS}
 
 

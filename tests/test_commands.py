@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 
 def _session(model_dir, db) -> ChatSession:
-    return ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=4))
+    return ChatSession(ChatOptions.of(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=4))
 
 
 def test_the_table_names_every_command_once_and_parses_what_it_lists():

@@ -249,7 +249,7 @@ def test_a_database_error_during_a_turn_is_one_line_and_exit_1(folder_a, tmp_pat
     from workbench.session import ChatOptions, ChatSession
     import io
 
-    s = ChatSession(ChatOptions(model=folder_a, db=tmp_path / "d.db", block_size=B, max_new_tokens=3))
+    s = ChatSession(ChatOptions.of(model=folder_a, db=tmp_path / "d.db", block_size=B, max_new_tokens=3))
 
     def broken(*a, **k):
         raise sqlite3.DatabaseError("database disk image is malformed")
@@ -274,7 +274,7 @@ def test_drafts_written_while_streaming_leave_only_the_answer(folder_a, tmp_path
     from workbench.session import ChatOptions, ChatSession
 
     monkeypatch.setattr(session_mod, "DRAFT_INTERVAL_S", 0.0)  # a draft at every token
-    s = ChatSession(ChatOptions(model=folder_a, db=tmp_path / "d.db", block_size=B, max_new_tokens=8,
+    s = ChatSession(ChatOptions.of(model=folder_a, db=tmp_path / "d.db", block_size=B, max_new_tokens=8,
                                 ignore_eos=True))
     seen = []
     r = s.send("hello there", on_text=lambda d: seen.append(s.store.path(s.thread.id)[-1]))
@@ -304,7 +304,7 @@ def test_a_chat_killed_mid_answer_leaves_the_partial_answer_labelled_incomplete(
 
     db = tmp_path / "k.db"
     code = (f"import sys\nfrom workbench.session import ChatOptions, ChatSession\n"
-            f"s = ChatSession(ChatOptions(model={str(folder_a)!r}, db={str(db)!r}, max_new_tokens=100000, "
+            f"s = ChatSession(ChatOptions.of(model={str(folder_a)!r}, db={str(db)!r}, max_new_tokens=100000, "
             f"ignore_eos=True))\nprint(s.conversation.id, flush=True)\n"
             f"s.send('tell me a long story', on_text=lambda d: print('.', end='', flush=True))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -350,7 +350,7 @@ def test_inspect_gc_ends_on_a_segment_row_with_a_null_key(tmp_path):
 def _forked_session(folder, db):
     from workbench.session import ChatOptions, ChatSession
 
-    s = ChatSession(ChatOptions(model=folder, db=db, block_size=B, max_new_tokens=3))
+    s = ChatSession(ChatOptions.of(model=folder, db=db, block_size=B, max_new_tokens=3))
     s.send("first question")
     s.fork(1, "side")
     s.send("a side question")
@@ -379,7 +379,7 @@ def test_a_draft_that_cannot_be_saved_does_not_cost_the_answer(folder_a, tmp_pat
     from workbench.session import ChatOptions, ChatSession
 
     monkeypatch.setattr(session_mod, "DRAFT_INTERVAL_S", 0.0)
-    s = ChatSession(ChatOptions(model=folder_a, db=tmp_path / "f.db", block_size=B, max_new_tokens=6, ignore_eos=True))
+    s = ChatSession(ChatOptions.of(model=folder_a, db=tmp_path / "f.db", block_size=B, max_new_tokens=6, ignore_eos=True))
     real = s.store.append
 
     def locked(*args, **kwargs):
@@ -396,7 +396,7 @@ def test_a_draft_that_cannot_be_saved_does_not_cost_the_answer(folder_a, tmp_pat
 def test_an_answer_left_incomplete_by_a_kill_can_be_answered_again(folder_a, tmp_path):
     from workbench.session import ChatOptions, ChatSession
 
-    s = ChatSession(ChatOptions(model=folder_a, db=tmp_path / "r.db", block_size=B, max_new_tokens=3))
+    s = ChatSession(ChatOptions.of(model=folder_a, db=tmp_path / "r.db", block_size=B, max_new_tokens=3))
     s.send("question")
     # what a kill mid-answer leaves: the tip an incomplete draft under the user message
     user = s.path()[-2]

@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory):
 
 
 def _opts(model_dir, db, **kw) -> ChatOptions:
-    return ChatOptions(**{"model": model_dir, "db": db, "block_size": 16, "checkpoint_every": 1, "max_new_tokens": 8,
+    return ChatOptions.of(**{"model": model_dir, "db": db, "block_size": 16, "checkpoint_every": 1, "max_new_tokens": 8,
                           **kw})
 
 

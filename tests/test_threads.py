@@ -69,4 +69,4 @@ def test_a_ui_keeps_a_core_and_explicit_settings_are_kept(monkeypatch):
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="decode_threads"):
-        ChatOptions(decode_threads=0)
+        ChatOptions.of(decode_threads=0)

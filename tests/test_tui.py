@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 def _app(model_dir, db, remote: bool = False, **kw) -> ChatApp:
     """The app over a session in this process, or (remote, what `hcw chat` runs) in a child process."""
-    opts = ChatOptions(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw)
+    opts = ChatOptions.of(model=model_dir, db=db, block_size=16, checkpoint_every=1, max_new_tokens=6, **kw)
     return ChatApp(RemoteSession(opts) if remote else ChatSession(opts))
 
 
@@ -112,7 +112,7 @@ def test_quit_while_generating_cancels_first_and_keeps_the_partial_answer(model_
     async def scenario():
         app = _app(model_dir, db, remote)
         # an answer far longer than the quit takes to arrive (the worker never waits for the screen)
-        app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=20000, ignore_eos=True)
+        app.session.opts = ChatOptions.of(model=model_dir, db=db, block_size=16, max_new_tokens=20000, ignore_eos=True)
         async with app.run_test(size=(160, 50)) as pilot:
             app.run_command(FACT)
             await _until_answering(app, pilot)  # (a turn cancelled before its first token keeps no answer)
@@ -122,7 +122,7 @@ def test_quit_while_generating_cancels_first_and_keeps_the_partial_answer(model_
         return app.session.conversation.id
 
     conversation = asyncio.run(scenario())
-    again = ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, session=conversation))
+    again = ChatSession(ChatOptions.of(model=model_dir, db=db, block_size=16, session=conversation))
     path = again.path()
     assert [m.role for m in path] == ["system", "user", "assistant"]
     assert json.loads(again.store.db.execute("SELECT meta FROM messages WHERE id = ?",
@@ -148,7 +148,7 @@ def test_escape_cancels_and_quit_keeps_answered_turns(model_dir, tmp_path):
 
     async def scenario():
         app = _app(model_dir, db, )
-        app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=200)
+        app.session.opts = ChatOptions.of(model=model_dir, db=db, block_size=16, max_new_tokens=200)
         async with app.run_test(size=(160, 50)) as pilot:
             await _say(app, pilot, FACT)
             app.run_command("Tell me more.")
@@ -163,7 +163,7 @@ def test_escape_cancels_and_quit_keeps_answered_turns(model_dir, tmp_path):
         return app.session.conversation.id
 
     conversation = asyncio.run(scenario())
-    again = ChatSession(ChatOptions(model=model_dir, db=db, block_size=16, session=conversation))
+    again = ChatSession(ChatOptions.of(model=model_dir, db=db, block_size=16, session=conversation))
     assert [m.role for m in again.path()] == ["system", "user", "assistant", "user", "assistant"]
     again.close()  # (one left open slowed the later tests' generation ~60x)
 
@@ -177,7 +177,7 @@ def test_typing_works_while_an_answer_streams(model_dir, tmp_path):
 
     async def scenario():
         app = _app(model_dir, db)
-        app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=1500, ignore_eos=True)
+        app.session.opts = ChatOptions.of(model=model_dir, db=db, block_size=16, max_new_tokens=1500, ignore_eos=True)
         holds = {1: threading.Event(), 200: threading.Event()}
         deltas = []
         handover = app._streamed
@@ -241,7 +241,7 @@ def test_a_turn_keeps_the_views_of_earlier_messages_and_the_pane_follows_the_ans
 
             pane = app.query_one(ConversationView)
             _paced(app, 0.005)  # 400 tokens: >= 2 s of streaming to watch
-            app.session.opts = ChatOptions(model=model_dir, db=db, block_size=16, max_new_tokens=400,
+            app.session.opts = ChatOptions.of(model=model_dir, db=db, block_size=16, max_new_tokens=400,
                                            ignore_eos=True)
             app.query_one("#prompt").value = "Tell me more."
             await pilot.press("enter")
@@ -518,7 +518,7 @@ def test_the_app_decodes_with_a_core_left_to_its_own_thread(model_dir, tmp_path)
     app = _app(model_dir, tmp_path / "c.db")
     assert app.session.opts.decode_threads == threads_beside_ui()
     app.session.close()
-    chosen = ChatApp(ChatSession(ChatOptions(model=model_dir, db=tmp_path / "d.db", decode_threads=3)))
+    chosen = ChatApp(ChatSession(ChatOptions.of(model=model_dir, db=tmp_path / "d.db", decode_threads=3)))
     assert chosen.session.opts.decode_threads == 3  # a choice the user made is kept
     chosen.session.close()
 
@@ -714,7 +714,7 @@ def test_the_screen_is_up_before_the_engine_has_loaded_the_model(model_dir, tmp_
     loading, keeps a message entered meanwhile and answers it once the engine is ready; an engine
     that cannot start ends the app with its error (exit code 1)."""
     async def scenario():
-        opts = ChatOptions(model=model_dir, db=tmp_path / "l.db", block_size=16, max_new_tokens=4)
+        opts = ChatOptions.of(model=model_dir, db=tmp_path / "l.db", block_size=16, max_new_tokens=4)
         app = ChatApp(RemoteSession(opts, wait=False))
         async with app.run_test(size=(120, 40)) as pilot:
             assert app.loading and not app.session.ready  # drawn while the child imports and loads
@@ -731,7 +731,7 @@ def test_the_screen_is_up_before_the_engine_has_loaded_the_model(model_dir, tmp_
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (model_dir / name).exists():
                 (bad / name).write_text((model_dir / name).read_text())
-        broken = ChatApp(RemoteSession(ChatOptions(model=bad, db=tmp_path / "b.db"), wait=False))
+        broken = ChatApp(RemoteSession(ChatOptions.of(model=bad, db=tmp_path / "b.db"), wait=False))
         async with broken.run_test(size=(120, 40)) as pilot:
             while broken.return_code is None:
                 await pilot.pause(0.05)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -45,6 +46,18 @@ DETERMINISTIC_HELP = ("bit-exact: prefill one token a step, so the logits never 
                       "chunked or where a cache hit ended (prefill runs at decode's speed)")
 
 
+def _engine_config(dtype: str = "fp32", **given):
+    """The EngineConfig a command runs with, the HCW_KV / HCW_KERNELS / HCW_NATIVE / HCW_STATIC
+    variables mapped onto it; the kernel choice is also made for the process, so every engine
+    the command builds beside its main one takes it."""
+    from engine.config import EngineConfig, parse_dtype
+    from kernels import dispatch
+
+    config = EngineConfig.from_env(os.environ, dtype=parse_dtype(dtype), **given)
+    dispatch.select(config.kernels, config.native)
+    return config
+
+
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", help="model folder (config.json + safetensors), or a built-in "
@@ -78,11 +91,11 @@ def generate(
             ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
         except ValueError:
             _fail(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}")
-    req = GenerateRequest(model=model, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
-                          greedy=greedy, temperature=temperature, top_p=top_p, seed=seed, dtype=dtype,
-                          device=device, chunk_size=chunk_size, as_json=as_json, deterministic=deterministic,
-                          chat=chat, system=system, verbose=verbose)
     try:
+        engine = _engine_config(dtype=dtype, prefill_chunk_size=chunk_size, deterministic=deterministic)
+        req = GenerateRequest(model=model, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
+                              greedy=greedy, temperature=temperature, top_p=top_p, seed=seed, engine=engine,
+                              device=device, as_json=as_json, chat=chat, system=system, verbose=verbose)
         run_generate(req, out=sys.stdout, err=sys.stderr)
     except ValueError as e:
         _fail(str(e))
@@ -103,6 +116,7 @@ def drill(
     from workbench.progress import wanted
 
     try:
+        _engine_config()
         silent = run(model, names or None, block_size, prompt_len, dtype, as_json, sys.stdout, wanted(as_json))
     except ValueError as e:
         _fail(str(e))
@@ -126,6 +140,7 @@ def replay(
     from workbench.replay import ScriptError, count_steps, parse, replay_file
 
     try:
+        _engine_config()
         total = sum(count_steps(parse(f)) for f in files)  # every file is checked before anything runs
         reports = []
         with bar(total, "steps", wanted(as_json)) as counter:
@@ -169,6 +184,7 @@ def bench_replay(
     from workbench.progress import bar, wanted
 
     try:
+        _engine_config()
         lengths = [int(x) for x in prefix_lengths.split(",") if x.strip()]
         if not lengths or min(lengths) < 64:
             raise ValueError("--prefix-lengths: give token counts of at least 64")
@@ -307,7 +323,8 @@ def chat(
     from engine.config import ConfigError, ModelConfig
     from engine.model.loader import resolve_model
     from workbench.remote import EngineProcessError, RemoteSession
-    from workbench.session import ChatOptions, ChatSession, parse_budget
+    from workbench.options import ChatOptions, parse_budget
+    from workbench.session import ChatSession
 
     import sqlite3
 
@@ -316,12 +333,13 @@ def chat(
     if system is not None:
         given["system"] = system or None  # '': no system message
     try:
-        opts = ChatOptions(model=model, db=db, session=session, continue_last=continue_last, reuse=reuse,
-                           max_new_tokens=max_new_tokens, greedy=not (sample or temperature is not None
-                                                                      or top_p is not None),
-                           replay_budget=(budget := parse_budget(replay_budget)),
-                           replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
-                           sketch_every=gdn_sketches, deterministic=deterministic, **given)
+        opts = ChatOptions.of(model=model, db=db, session=session, continue_last=continue_last, reuse=reuse,
+                              max_new_tokens=max_new_tokens, greedy=not (sample or temperature is not None
+                                                                         or top_p is not None),
+                              replay_budget=(budget := parse_budget(replay_budget)),
+                              replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
+                              sketch_every=gdn_sketches, deterministic=deterministic,
+                              engine=_engine_config(prefill_chunk_size=1024), **given)
         line_based = plain or as_json or not sys.stdin.isatty()
         if line_based:
             t0 = time.perf_counter()

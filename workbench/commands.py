@@ -14,7 +14,10 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workbench.session import SETTABLE, ChatSession, TurnResult, fault_names
+from workbench.faults import fault_names
+from workbench.options import SETTABLE
+from workbench.session import ChatSession
+from workbench.turns import TurnResult
 
 # run(on_text, should_stop) -> TurnResult: a turn a command starts (/edit); Context.answer runs it
 Run = Callable[[Callable[[str], None] | None, Callable[[], bool] | None], TurnResult]

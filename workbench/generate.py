@@ -4,6 +4,7 @@ Ollama-style stats on stderr)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -11,7 +12,6 @@ from pathlib import Path
 from typing import TextIO
 
 from engine import EngineConfig, load_model
-from engine.config import parse_dtype
 from engine.engine import Engine, SamplingParams
 from engine.model.loader import resolve_model
 from engine.tokenizer import StreamDecoder, load_tokenizer
@@ -27,11 +27,9 @@ class GenerateRequest:
     temperature: float
     top_p: float
     seed: int | None
-    dtype: str
+    engine: EngineConfig  # its dtype is the one the model loads in; the device is the model's
     device: str | None
-    chunk_size: int
     as_json: bool
-    deterministic: bool = False  # bit-exact: prefill one token a step (EngineConfig.deterministic)
     chat: bool = False  # the prompt is one user message, through the model's chat template
     system: str | None = None  # with chat: a system message before it
     verbose: bool = False  # Ollama-style stats on `err`
@@ -43,7 +41,7 @@ def run_generate(req: GenerateRequest, out: TextIO, err: TextIO | None = None) -
     if req.system is not None and not req.chat:
         raise ValueError("--system needs --chat: only a chat template places a system message")
     t0 = time.perf_counter()
-    model = load_model(req.model, dtype=req.dtype, device=req.device)
+    model = load_model(req.model, dtype=req.engine.dtype, device=req.device)
     tok = load_tokenizer(resolve_model(req.model), model.config.extra)
     load_ms = 1000 * (time.perf_counter() - t0)
     if req.prompt is not None:
@@ -59,8 +57,7 @@ def run_generate(req: GenerateRequest, out: TextIO, err: TextIO | None = None) -
         ids = list(req.prompt_ids or [])
     params = SamplingParams(max_new_tokens=req.max_new_tokens, greedy=req.greedy, temperature=req.temperature,
                             top_p=req.top_p, seed=req.seed, stop_ids=tok.eos_ids if tok else ())
-    engine = Engine(model, EngineConfig(dtype=parse_dtype(req.dtype), device=str(model.device),
-                                        prefill_chunk_size=req.chunk_size, deterministic=req.deterministic))
+    engine = Engine(model, dataclasses.replace(req.engine, device=str(model.device)))
     stream = None
     decoder = StreamDecoder(tok) if tok and not req.as_json else None
     if not req.as_json:
@@ -74,7 +71,7 @@ def run_generate(req: GenerateRequest, out: TextIO, err: TextIO | None = None) -
         "token_ids": result.token_ids,
         "text": tok.decode(result.token_ids) if tok else None,
         "stop_reason": result.stop_reason,
-        "deterministic": req.deterministic,
+        "deterministic": req.engine.deterministic,
         "timings": result.timings.as_dict(),
     }
     if req.as_json:

@@ -18,7 +18,8 @@ from typing import TextIO
 
 from workbench import commands
 from workbench.commands import Run
-from workbench.session import ChatSession, TurnResult
+from workbench.session import ChatSession
+from workbench.turns import TurnResult
 
 def status_line(r: TurnResult) -> str:
     outcome = r.lookup.outcome if r.lookup else "cache off"

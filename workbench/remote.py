@@ -28,7 +28,8 @@ from typing import Any
 
 from engine.threads import release_idle_team
 from store.db import default_home
-from workbench.session import ChatOptions, ChatSession
+from workbench.options import ChatOptions
+from workbench.session import ChatSession
 
 DELTA_INTERVAL_S = 0.02  # the child batches an answer's text deltas: at most one message per this long
 START_TIMEOUT_S = 600.0  # loading a model in the child

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.progress import Steps
-from workbench.session import ChatOptions, ChatSession, TurnResult, parse_budget
+from workbench.options import ChatOptions, parse_budget
+from workbench.session import ChatSession
+from workbench.turns import TurnResult
 
 OPS = {"config", "user", "edit", "branch", "fork", "switch", "fault", "restart", "save"}
 CONFIG_KEYS = {"model", "reuse", "replay_budget", "replay_tolerance", "max_new_tokens", "block_size", "checkpoint_every",
@@ -105,7 +107,7 @@ def options(steps: list[tuple[int, dict]], db: Path, model: str | None, session:
     cfg.setdefault("max_new_tokens", 32)
     if isinstance(cfg.get("replay_budget"), str):  # "5%", "0.05", "512", "adaptive", as on the command line
         cfg["replay_budget"] = parse_budget(cfg["replay_budget"])
-    return ChatOptions(db=db, session=session, **cfg)
+    return ChatOptions.of(db=db, session=session, **cfg)
 
 
 def check(session: ChatSession, result: TurnResult, expect: dict) -> list[str]:

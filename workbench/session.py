@@ -11,160 +11,36 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import sqlite3
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-import torch
-
-from engine import EngineConfig, load_model
+from engine import load_model
 from engine.model.loader import resolve_model
-from engine.cache.faults import DRILLS
-from engine.cache.config import CacheConfig, Reuse
+from engine.cache.config import Reuse
 from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
+from engine.cache.states import Kind
 from engine.engine import Engine, Generation, SamplingParams, Timings
 from engine.events import CacheLookup
 from engine.tokenizer import StreamDecoder, load_tokenizer
 from store.conversations import Conversations, Message, Thread
 from store.write_behind import WriteBehind
+from workbench.faults import FAULTS, fault_names
+# what callers have imported from here since before the options and reports had modules of their own
+from workbench.options import REUSE_POLICIES, SETTABLE, ChatOptions, parse_budget  # noqa: F401
+from workbench.turns import SegmentRow, SessionStats, TurnResult
 
-REUSE_POLICIES = tuple(Reuse)
 DRAFT_INTERVAL_S = 0.5  # a streaming answer is on disk at most this far behind (marked incomplete)
 # the presence columns of the segment state table: column -> the state kinds it stands for
-PRESENCE = {"kv": ("kv",), "compressed": ("compressed",), "tail": ("tail", "overlap"), "window": ("window",),
-            "indexer": ("index_keys", "index_tail", "index_overlap"), "gdn": ("recurrent", "conv")}
-
-
-def _disk_read_error(session: "ChatSession", records) -> int:
-    """The next disk read fails with an I/O error (once); memory is emptied so the turn must read."""
-    session.save()
-    _forget_memory(session)
-
-    def fail_once(key: str) -> None:
-        session.tier.read_hook = None
-        raise OSError(5, "injected read error (EIO)")
-    session.tier.read_hook = fail_once
-    return 1
-
-
-def _disk_corrupt_blob(session: "ChatSession", records) -> int:
-    """One stored blob of the middle segment gets a flipped byte; memory is emptied."""
-    session.save()
-    _forget_memory(session)
-    key = records[len(records) // 2].key.hex()
-    row = session.tier.db.execute("SELECT id, data FROM blobs WHERE segment = ? ORDER BY id LIMIT 1", [key]).fetchone()
-    if row is None:
-        return 0
-    data = bytearray(row[1])
-    data[len(data) // 2] ^= 0x40
-    with session.tier.db.conn:
-        session.tier.db.execute("UPDATE blobs SET data = ? WHERE id = ?", [bytes(data), row[0]])
-    return 1
-
-
-def _forget_memory(session: "ChatSession") -> None:
-    session.cache.forget_memory()
-
-
-# every drill that works on a live cache, plus the disk faults of the workbench's own tier
-def _on_cache(drill: Callable) -> Callable:
-    return lambda session, records: drill(session.cache, records)
-
-
-FAULTS: dict[str, Callable] = {name: _on_cache(drill) for name, drill in DRILLS.items()
-                               if name not in ("fail_lower_read", "delay_lower_read")}  # those need MemoryTier
-FAULTS["disk_read_error"] = _disk_read_error
-FAULTS["disk_corrupt_blob"] = _disk_corrupt_blob
-
-
-def parse_budget(text: str) -> float | None:
-    """'5%' or '0.05' -> a fraction of the matched prefix; '512' -> tokens; 'adaptive' -> None
-    (no cap: the tolerance decides)."""
-    t = text.strip()
-    if t.lower() == "adaptive":
-        return None
-    try:
-        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        raise ValueError(f"--replay-budget: {text!r} is not a fraction (0.05, 5%) or a token count (512)") from None
-    if value <= 0 or (t.endswith("%") and value >= 1):
-        raise ValueError(f"--replay-budget: {text!r} must be above 0 (and a percentage below 100%)")
-    return value
-
-
-def fault_names() -> list[str]:
-    return [name.replace("_", "-") for name in FAULTS]
+PRESENCE = {"kv": (Kind.KV,), "compressed": (Kind.COMPRESSED,), "tail": (Kind.TAIL, Kind.OVERLAP),
+            "window": (Kind.WINDOW,), "indexer": (Kind.INDEX_KEYS, Kind.INDEX_TAIL, Kind.INDEX_OVERLAP),
+            "gdn": (Kind.RECURRENT, Kind.CONV)}
 
 
 class Cancelled(Exception):
     """Raised from the token callback to stop a generation (Esc in the TUI)."""
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    model: str | Path = "hcw-tiny"
-    db: Path | None = None
-    session: str | None = None  # a conversation id (or unique prefix) to resume
-    reuse: str = "exact"
-    replay_budget: float | None = 0.05  # approximate: a fraction (< 1) of the matched prefix, or tokens; None: no cap
-    replay_tolerance: float | None = None  # approximate, adaptive: the certified error bound each GDN layer keeps under
-    max_new_tokens: int = 256
-    ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
-    greedy: bool = True
-    temperature: float = 0.8
-    top_p: float = 0.95
-    seed: int | None = 0
-    block_size: int = 64
-    checkpoint_every: int = 4
-    sketch_every: int = 0  # approximate: every K segments an int8 sketch of each GDN state a replay may restart from
-    checkpoint_tail: int = 3  # of a long prompt (CacheConfig.checkpoint_tail_min), the last K boundaries keep GDN snapshots
-    device_budget_mb: int = 1024
-    system: str | None = "You are a helpful assistant. Remember what the user tells you."
-    decode_threads: int | None = None  # torch intra-op threads while decoding (None: all); the TUI leaves the UI a core
-    deterministic: bool = False  # bit-exact: prefill one token a step; the file keeps such states apart
-    continue_last: bool = False  # resume the most recently updated conversation (`hcw chat -c`)
-    # a cancel (Esc) is heard between two chunks of a prefill: 1024 tokens cost a 4K-token prompt nothing
-    # measurable on the built-in models against 2048 (512: 5-8% more)
-    prefill_chunk_size: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.reuse not in REUSE_POLICIES:
-            raise ValueError(f"--reuse must be one of {', '.join(REUSE_POLICIES)}, got {self.reuse!r}")
-        if self.reuse == Reuse.APPROXIMATE:
-            CacheConfig(reuse="approximate", replay_budget=self.replay_budget, replay_tolerance=self.replay_tolerance)
-        if self.sketch_every < 0:
-            raise ValueError("--gdn-sketches must be >= 0 (0: none)")
-        if self.sketch_every and self.reuse != Reuse.APPROXIMATE:
-            raise ValueError("--gdn-sketches needs --reuse approximate: only an approximate replay reads a sketch")
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if self.decode_threads is not None and self.decode_threads < 1:
-            raise ValueError("decode_threads must be >= 1")
-        if not self.greedy and not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be > 0 (and finite), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.continue_last and self.session:
-            raise ValueError("give --session or --continue, not both")
-        if self.prefill_chunk_size < 1:
-            raise ValueError("prefill_chunk_size must be >= 1")
-
-
-# what `/set NAME VALUE` may change in a session (ChatSession.set_option), and how
-SETTABLE = {
-    "temperature": "sampling temperature, > 0 (turns sampling on)",
-    "top_p": "nucleus sampling's probability mass, in (0, 1] (turns sampling on)",
-    "seed": "the sampler's seed: an integer, or none",
-    "max_new_tokens": "tokens an answer may take, >= 1",
-    "sample": "on: temperature / top-p sampling; off: greedy",
-}
 
 
 class _Draft:
@@ -205,97 +81,6 @@ class _Draft:
             self.id = None
 
 
-@dataclass(frozen=True)
-class SegmentRow:
-    """One row of the segment state table."""
-
-    index: int
-    tokens: tuple[int, int]
-    tier: str  # device | host | disk | gone
-    presence: dict[str, bool]  # PRESENCE column -> this segment holds that state (for some layer)
-    on_disk: bool
-    exact: bool
-    last_access: int
-
-
-@dataclass
-class TurnResult:
-    text: str
-    token_ids: list[int]
-    stop_reason: str  # length | stop | context | cancelled
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_ms: float
-    tokens_per_s: float
-    lookup: CacheLookup | None
-    message: Message | None  # the assistant message appended to the tree
-    saved_segments: int = 0
-    replay_budget_tokens: int = 0  # what the policy allowed this resume to replay (approximate only)
-    conversation: str | None = None
-    branch: str | None = None
-    model: str | None = None  # the model's name (its folder's, or the built-in's)
-    timings: Timings | None = None  # llama.cpp's names: prompt_n, prompt_ms, predicted_n, predicted_ms, cache_n
-
-    @property
-    def cancelled(self) -> bool:
-        return self.stop_reason == "cancelled"
-
-    @property
-    def exact(self) -> bool:
-        return self.lookup is None or self.lookup.plan.exact
-
-    @property
-    def replay_tokens(self) -> int:
-        return self.lookup.plan.replay_tokens if self.lookup else 0
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, "stop_reason": self.stop_reason, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "ttft_ms": self.ttft_ms, "tokens_per_s": self.tokens_per_s,
-                "outcome": self.lookup.outcome if self.lookup else "off",
-                "plan": self.lookup.plan.summary() if self.lookup else None,
-                "reasons": list(self.lookup.reasons) if self.lookup else [],
-                "exact": self.exact, "replay_tokens": self.replay_tokens,
-                "replay_budget_tokens": self.replay_budget_tokens,
-                "message": self.message.id if self.message else None, "saved_segments": self.saved_segments,
-                "conversation": self.conversation, "branch": self.branch, "model": self.model,
-                **self._llama_timings()}
-
-    def _llama_timings(self) -> dict:
-        """llama.cpp server's timing names (as `hcw generate --json` prints them), beside hcw's own."""
-        t = self.timings or Timings(prompt_n=self.prompt_tokens, prompt_ms=self.ttft_ms)
-        d = t.as_dict()
-        return {"prompt_n": d["prompt_n"], "prompt_ms": d["prompt_ms"], "predicted_n": d["predicted_n"],
-                "predicted_ms": d["predicted_ms"], "predicted_per_second": d["predicted_per_second"],
-                "cache_n": self.cached_tokens}
-
-
-@dataclass
-class SessionStats:
-    turns: int = 0  # answered turns (a cancelled one is counted apart)
-    hits: int = 0
-    degraded: int = 0
-    misses: int = 0
-    cancelled: int = 0
-    last_ttft_ms: float = 0.0
-    decoded_tokens: int = 0  # over the session, cancelled turns too
-    decode_ms: float = 0.0
-
-    @property
-    def last_tokens_per_s(self) -> float:
-        """Decode speed over the session's decoded tokens (one 2-token answer says little)."""
-        return 1000 * self.decoded_tokens / self.decode_ms if self.decode_ms else 0.0
-
-    def as_dict(self) -> dict:
-        looked = self.hits + self.degraded + self.misses
-        return {"turns": self.turns, "hits": self.hits, "degraded": self.degraded, "misses": self.misses,
-                "cancelled": self.cancelled, "decoded_tokens": self.decoded_tokens,
-                "hit_rate": (self.hits + self.degraded) / looked if looked else 0.0,
-                "degraded_rate": self.degraded / looked if looked else 0.0,
-                "ttft_ms": self.last_ttft_ms, "tokens_per_s": self.last_tokens_per_s,
-                "rss_mb": psutil.Process().memory_info().rss / 2**20,
-                "device_mb": torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0}
-
-
 class ChatSession:
     def __init__(self, opts: ChatOptions, model=None):
         self.opts = opts
@@ -303,19 +88,16 @@ class ChatSession:
         self.tok = load_tokenizer(resolve_model(opts.model), self.model.config.extra)
         if self.tok is None:
             raise ValueError(f"{opts.model} has no tokenizer; hcw chat needs one")
-        cfg = CacheConfig(block_size=opts.block_size, checkpoint_every=opts.checkpoint_every,
-                          checkpoint_tail=opts.checkpoint_tail, sketch_every=opts.sketch_every,
-                          budget_bytes=opts.device_budget_mb << 20, reuse=opts.reuse,
-                          replay_budget=opts.replay_budget, replay_tolerance=opts.replay_tolerance,
-                          deterministic=opts.deterministic)
+        if opts.engine.kv_layout is not None:  # before the cache is made: it assembles states of this layout
+            self.model.use_kv_layout(opts.engine.kv_layout)
+        cfg = opts.cache
         self.tier = WriteBehind(opts.db, layout_fingerprint(self.model, cfg))  # spills never block decoding
         self.conversation = None
         self._created: str | None = None  # the conversation this session began (forgotten at close if empty)
         try:
             self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != Reuse.OFF else None
-            self.engine = Engine(self.model, EngineConfig(dtype=self.model.dtype, device=str(self.model.device),
-                                                          prefill_chunk_size=opts.prefill_chunk_size,
-                                                          deterministic=opts.deterministic), cache=self.cache)
+            self.engine = Engine(self.model, dataclasses.replace(opts.engine, dtype=self.model.dtype,
+                                                                 device=str(self.model.device)), cache=self.cache)
             self.store = Conversations(self.tier.db)
             self.stats = SessionStats()
             if opts.session:

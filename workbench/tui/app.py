@@ -34,7 +34,10 @@ from textual.widgets import Footer, Header, Input, Tab, Tabs
 from engine.threads import release_idle_team, threads_beside_ui
 from workbench import commands, plain
 from workbench.remote import EngineProcessError
-from workbench.session import SETTABLE, ChatSession, TurnResult, fault_names
+from workbench.faults import fault_names
+from workbench.options import SETTABLE
+from workbench.session import ChatSession
+from workbench.turns import TurnResult
 from workbench.tui.branches import BranchTree
 from workbench.tui.budget import ReplayBudget
 from workbench.tui.conversation import ConversationView
@@ -213,7 +216,7 @@ class ChatApp(App):
 
     def refresh_views(self, messages: bool = False) -> None:
         s = self.session
-        self.sub_title = f"{s.conversation.id} · branch {s.thread.name} · reuse {s.opts.reuse}"
+        self.sub_title = f"{s.conversation.id} · branch {s.thread.name} · reuse {s.opts.cache.reuse}"
         try:
             if messages:
                 self.conversation.show(s.path())

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from workbench.session import TurnResult
+from workbench.turns import TurnResult
 
 WIDTH = 20  # characters of a gauge
 TURNS = 5  # resumes shown

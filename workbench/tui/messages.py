@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from workbench.session import TurnResult
+from workbench.turns import TurnResult
 
 
 class TurnDone(Message):

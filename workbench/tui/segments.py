@@ -8,7 +8,8 @@ from __future__ import annotations
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
-from workbench.session import PRESENCE, SegmentRow
+from workbench.session import PRESENCE
+from workbench.turns import SegmentRow
 from workbench.tui.steady import SteadyScrollbars
 
 # column key -> (its label, what the legend says it is); the keys are the row's fields

@@ -10,7 +10,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from workbench.plain import describe_plan
-from workbench.session import TurnResult
+from workbench.turns import TurnResult
 
 STYLE = {"hit": "bold green", "degraded": "bold yellow", "recomputed": "bold red", "miss": "dim"}
 
