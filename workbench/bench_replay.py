@@ -24,6 +24,7 @@ import torch
 from engine import load_model
 from engine.cache.config import CacheConfig, Reuse
 from engine.cache.prefix_cache import PrefixCache
+from engine.cache.states import Kind
 from engine.engine import Engine
 from engine.model.loader import resolve_model
 from engine.tokenizer import load_tokenizer
@@ -202,7 +203,7 @@ def _gdn_bytes(cache: PrefixCache, prompt: list[int]) -> float:
     `prompt`, per 1,000 of its tokens: what a policy's storage costs beside the KV."""
     segments = cache.segments_of(prompt)
     held = sum(p.nbytes() for view in segments if view.record is not None
-               for (_, kind), p in view.record.pieces.items() if kind in ("recurrent", "conv", "sketch"))
+               for (_, kind), p in view.record.pieces.items() if kind in (Kind.RECURRENT, Kind.CONV, Kind.SKETCH))
     return 1000 * held / max(1, len(segments) * cache.block_size)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cache.states import COMPRESSOR_KINDS, Kind
 from engine.config import ModelConfig, parse_dtype
 from engine.model.loader import BUILTIN_MODELS, resolve_model
 from engine.tokenizer import HFTokenizer, load_tokenizer
@@ -39,16 +40,16 @@ def state_bytes(cfg: ModelConfig, tokens: int, dtype: str | torch.dtype = "fp32"
     out: collections.Counter = collections.Counter()
     for kind in cfg.layer_types:
         if kind == "full_attention":
-            out["kv"] += 2 * cfg.num_key_value_heads * cfg.head_dim * tokens * e
+            out[Kind.KV] += 2 * cfg.num_key_value_heads * cfg.head_dim * tokens * e
             continue
         if kind == "linear_attention":
             keys, values = cfg.linear_num_key_heads * cfg.linear_key_head_dim, \
                 cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            out["recurrent"] += cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-            out["conv"] += (2 * keys + values) * (cfg.linear_conv_kernel_dim - 1) * e
+            out[Kind.RECURRENT] += cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+            out[Kind.CONV] += (2 * keys + values) * (cfg.linear_conv_kernel_dim - 1) * e
             continue
         d = cfg.head_dim
-        out["window"] += min(tokens, max(cfg.sliding_window - 1, 0)) * d * e
+        out[Kind.WINDOW] += min(tokens, max(cfg.sliding_window - 1, 0)) * d * e
         if kind == "sliding_attention":
             continue
         rate = cfg.compress_rate(kind)
@@ -63,10 +64,11 @@ def _compressor(out: collections.Counter, prefix: str, rate: int, dim: int, over
                 e: int) -> None:
     closed, open_ = divmod(tokens, rate)
     width = 2 * dim if overlap else dim  # an overlapping compressor projects two series
-    out[prefix + ("keys" if prefix else "compressed")] += closed * dim * e
-    out[prefix + "tail"] += 2 * open_ * width * e  # projections and gate logits of the open window
+    entries, tail, overlap_kind = COMPRESSOR_KINDS[prefix]
+    out[entries] += closed * dim * e
+    out[tail] += 2 * open_ * width * e  # projections and gate logits of the open window
     if overlap and closed:
-        out[prefix + "overlap"] += 2 * rate * dim * e
+        out[overlap_kind] += 2 * rate * dim * e
 
 
 def state_cost(cfg: ModelConfig, dtype: str | torch.dtype = "fp32") -> dict:
