@@ -1,19 +1,17 @@
 """Model and engine configuration.
 
 `ModelConfig` is read once from a model folder's `config.json`; the per-layer kind is data
-(`layer_types`), never a subclass. `EngineConfig` holds what the user chooses at run time.
+(`layer_types`), never a subclass. What the user chooses at run time is engine/engine_config.py's
+`EngineConfig`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-
-from kernels import dispatch
 
 # model_type -> family; the wrapper types keep their text model under `text_config`
 # hcw_hybrid is hcw's own: any mix of the layer kinds, its config.json spelled in ModelConfig's field names
@@ -367,56 +365,3 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(raw)
-
-
-KV_LAYOUTS = ("auto", "dense", "paged")
-KERNEL_CHOICES, NATIVE_CHOICES = dispatch.MODES, dispatch.NATIVE_MODES
-# the environment variables an entry point maps onto EngineConfig (EngineConfig.from_env)
-ENV_FIELDS = {"HCW_KV": ("kv_layout", KV_LAYOUTS), "HCW_KERNELS": ("kernels", KERNEL_CHOICES),
-              "HCW_NATIVE": ("native", NATIVE_CHOICES), "HCW_STATIC": ("static", ("0", "1"))}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What the user chooses at run time; built once at the entry point (`from_env` maps the
-    HCW_* variables onto it), never read from the environment by library code."""
-
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    prefill_chunk_size: int = 2048
-    # bit-exact: prefill and Tail-Replay take one token a step, the path decode takes, so no row's
-    # arithmetic depends on how a prompt was chunked or where a cache hit ended (docs/ARCHITECTURE.md,
-    # "What exact means"); prefill then runs at decode's speed
-    deterministic: bool = False
-    # full attention's KV: dense (one buffer, read by scaled_dot_product_attention), paged (a block
-    # pool read by the paged-attention kernels) or auto: paged on CUDA, dense elsewhere. The engine
-    # sets it on its model; a PrefixCache assembles states of the layout its model had when it was
-    # made, so an entry point with a cache sets it on the model first (ChatSession does)
-    kv_layout: str | None = None
-    # which op implementations run (kernels/dispatch.py): auto (Triton on CUDA), reference, triton;
-    # and the C kernels of CPU decode (kernels/native): auto, 0 (never), 1 (required)
-    kernels: str | None = None
-    native: str | None = None
-    static: bool = False  # decode captured as a CUDA graph (engine/static_decode.py)
-    # (None above: leave what the process or the model has, e.g. an engine a command makes beside its main one)
-
-    def __post_init__(self) -> None:
-        if self.prefill_chunk_size < 1:
-            raise ConfigError("prefill_chunk_size must be >= 1")
-        for name, choices in (("kv_layout", KV_LAYOUTS), ("kernels", KERNEL_CHOICES), ("native", NATIVE_CHOICES)):
-            if getattr(self, name) not in (None, *choices):
-                raise ConfigError(f"{name}={getattr(self, name)!r}; one of {', '.join(choices)}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str], **given) -> EngineConfig:
-        """The config an entry point runs with: `given`, plus HCW_KV, HCW_KERNELS, HCW_NATIVE and
-        HCW_STATIC from `environ` (unset or empty: the default). A bad value raises ConfigError
-        naming the variable."""
-        for var, (name, choices) in ENV_FIELDS.items():
-            value = environ.get(var) or None
-            if value is None:
-                continue
-            if value not in choices:
-                raise ConfigError(f"{var}={value!r}; one of {', '.join(choices)}")
-            given.setdefault(name, value == "1" if name == "static" else value)
-        return cls(**given)

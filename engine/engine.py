@@ -18,7 +18,7 @@ from engine.cache.prefix_cache import PrefixCache
 from engine.cache.states import ModelState
 from engine.cache.validation import ReusePlan
 from engine.cache.writer import RequestWriter
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 from engine.events import CacheLookup
 from engine.model.hybrid import HybridModel
 from engine.static_decode import StaticDecoder, StaticUnsupported

@@ -10,9 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.cache.kv import KVState, PagedKVState
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError
+from engine.engine_config import EngineConfig
 from kernels import dispatch
-from workbench import cli
+from workbench import cli_app
 from workbench.cli import app
 from workbench.session import ChatOptions, ChatSession
 
@@ -36,7 +37,7 @@ def test_from_env_maps_each_variable_and_leaves_unset_ones_to_the_defaults():
 def test_the_cli_makes_the_kernel_choice_for_the_process(monkeypatch):
     monkeypatch.setenv("HCW_KERNELS", "reference")
     monkeypatch.setenv("HCW_NATIVE", "0")
-    config = cli._engine_config(prefill_chunk_size=9)
+    config = cli_app.engine_config(prefill_chunk_size=9)
     assert config.kernels == "reference" and config.prefill_chunk_size == 9
     assert (dispatch.mode(), dispatch.native_mode()) == ("reference", "0")
 
@@ -59,7 +60,7 @@ def test_library_code_reads_none_of_the_variables():
             text = path.read_text()
             if any(f'"{var}"' in text for var in ("HCW_KV", "HCW_KERNELS", "HCW_NATIVE", "HCW_STATIC")):
                 readers.append(str(path.relative_to(ROOT)))
-    assert readers == ["engine/config.py"]  # the mapping itself (ENV_FIELDS)
+    assert readers == ["engine/engine_config.py"]  # the mapping itself (ENV_FIELDS)
     assert "_data" not in (ROOT / "kernels" / "dispatch.py").read_text()
 
 

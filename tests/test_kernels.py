@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 from kernels import dispatch
 from kernels.gated_delta import recurrent_gated_delta
 from kernels.gated_delta import reference

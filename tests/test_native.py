@@ -22,7 +22,8 @@ from engine.cache.config import CacheConfig
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.gdn_state import GDNState
 from engine.cache.kv import KVState
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.attention import GatedAttention
 from engine.model.gdn import GatedDeltaNet

@@ -13,7 +13,8 @@ from kernels import dispatch
 from engine.cache.config import CacheConfig
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.kv import PAGE, KVState, PagedKVState, kv_layout
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
 from engine.engine import Engine, SamplingParams
 from engine.model.hybrid import HybridModel
 from engine.model.random_init import init_random, qwen3_5_text_dict

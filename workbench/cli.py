@@ -1,61 +1,23 @@
-"""`hcw` command line: parses arguments and calls one function per command."""
+"""`hcw` command line: parses arguments and calls one function per command (the chat, generation,
+replay and workbench-file commands here; the commands about models in cli_models.py; the app and
+what they share in cli_app.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import typer
 
-# rich_markup_mode=None: click's help layout, in which a flag reads as a flag (typer's rich panels
-# show every one as taking a <bool>) and a docstring's line breaks are joined into paragraphs
-app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                  help="hcw: hybrid cache workbench for hybrid-attention language models.")
+from workbench.cli_app import DB_HELP, app, engine_config, fail
 
-
-def _version(show: bool) -> None:
-    if show:
-        from importlib.metadata import version
-
-        typer.echo(f"hcw {version('hcw')}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                            help="print hcw's version and exit")) -> None:
-    """hcw: hybrid cache workbench for hybrid-attention language models."""
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-# store/db.py's default_home(), in words
-DB_HELP = ("workbench file: conversations and cached segments (default: $HCW_HOME/hcw.db, else "
-           "$XDG_DATA_HOME/hcw/hcw.db, else ~/.local/share/hcw/hcw.db)")
 # ChatOptions' defaults, for `hcw chat --help` without importing the engine (a test holds them equal)
 CHAT_DEFAULTS = {"system": "You are a helpful assistant. Remember what the user tells you.", "temperature": 0.8,
                  "top_p": 0.95, "seed": 0}
 DETERMINISTIC_HELP = ("bit-exact: prefill one token a step, so the logits never depend on how a prompt was "
                       "chunked or where a cache hit ended (prefill runs at decode's speed)")
-
-
-def _engine_config(dtype: str = "fp32", **given):
-    """The EngineConfig a command runs with, the HCW_KV / HCW_KERNELS / HCW_NATIVE / HCW_STATIC
-    variables mapped onto it; the kernel choice is also made for the process, so every engine
-    the command builds beside its main one takes it."""
-    from engine.config import EngineConfig, parse_dtype
-    from kernels import dispatch
-
-    config = EngineConfig.from_env(os.environ, dtype=parse_dtype(dtype), **given)
-    dispatch.select(config.kernels, config.native)
-    return config
 
 
 @app.command()
@@ -84,21 +46,21 @@ def generate(
     from workbench.generate import GenerateRequest, run_generate
 
     if (prompt is None) == (prompt_ids is None):
-        _fail("give exactly one of --prompt and --prompt-ids")
+        fail("give exactly one of --prompt and --prompt-ids")
     ids = None
     if prompt_ids is not None:
         try:
             ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
         except ValueError:
-            _fail(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}")
+            fail(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}")
     try:
-        engine = _engine_config(dtype=dtype, prefill_chunk_size=chunk_size, deterministic=deterministic)
+        engine = engine_config(dtype=dtype, prefill_chunk_size=chunk_size, deterministic=deterministic)
         req = GenerateRequest(model=model, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
                               greedy=greedy, temperature=temperature, top_p=top_p, seed=seed, engine=engine,
                               device=device, as_json=as_json, chat=chat, system=system, verbose=verbose)
         run_generate(req, out=sys.stdout, err=sys.stderr)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 @app.command()
@@ -116,10 +78,10 @@ def drill(
     from workbench.progress import wanted
 
     try:
-        _engine_config()
+        engine_config()
         silent = run(model, names or None, block_size, prompt_len, dtype, as_json, sys.stdout, wanted(as_json))
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     if silent:
         raise typer.Exit(1)
 
@@ -140,7 +102,7 @@ def replay(
     from workbench.replay import ScriptError, count_steps, parse, replay_file
 
     try:
-        _engine_config()
+        engine_config()
         total = sum(count_steps(parse(f)) for f in files)  # every file is checked before anything runs
         reports = []
         with bar(total, "steps", wanted(as_json)) as counter:
@@ -149,9 +111,9 @@ def replay(
                     typer.echo(f"{f}:")
                 reports.append(replay_file(f, db, model, None if as_json else typer.echo, counter))
     except (ScriptError, ValueError, RuntimeError) as e:  # ConfigError, WeightsError; RuntimeError: a restart failed
-        _fail(str(e))
+        fail(str(e))
     except (sqlite3.DatabaseError, OSError) as e:
-        _fail(f"cannot open the workbench database {db or '(a temporary one)'}: {e}")
+        fail(f"cannot open the workbench database {db or '(a temporary one)'}: {e}")
     failed = sum(r["failed"] for r in reports)
     if as_json:
         typer.echo(json.dumps({"files": reports, "failed": failed}))
@@ -159,55 +121,6 @@ def replay(
         typer.echo(f"{len(files)} session(s), {sum(len(r['steps']) for r in reports)} steps, {failed} failed")
     if failed:
         raise typer.Exit(1)
-
-
-bench = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Measurements that need a model (scripts in benchmarks/ cover the rest).")
-app.add_typer(bench, name="bench")
-
-
-@bench.command("replay")
-def bench_replay(
-    model: str = typer.Option("hcw-tiny", "--model", help="model folder, or a built-in model's name"),
-    prefix_lengths: str = typer.Option("8192,16384,32768", "--prefix-lengths", help="comma-separated token counts"),
-    budgets: str = typer.Option("0.01,0.02,0.05,0.1,0.2,adaptive", "--budgets",
-                                help="fractions of the prefix, token counts, and/or 'adaptive'"),
-    tolerance: float = typer.Option(1e-3, "--tolerance", help="adaptive: the certified bound each layer keeps under"),
-    tasks: int = typer.Option(4, "--tasks", min=1, help="needle tasks per prefix length"),
-    sketch_every: int = typer.Option(0, "--sketch-every", help="measure each approximate policy again with int8 "
-                                     "GDN sketches kept every N segments of the context (0: not)"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-    write_docs: bool = typer.Option(False, "--write-docs", help="write the table and plot into docs/"),
-) -> None:
-    """Tail-Replay vs full prefill: quality and TTFT by prefix length and replay budget (a progress
-    bar counts the tasks on stderr when it is a terminal and --json is not given)."""
-    from workbench.bench_replay import markdown, parse_budgets, plot, run_bench
-    from workbench.progress import bar, wanted
-
-    try:
-        _engine_config()
-        lengths = [int(x) for x in prefix_lengths.split(",") if x.strip()]
-        if not lengths or min(lengths) < 64:
-            raise ValueError("--prefix-lengths: give token counts of at least 64")
-        with bar(len(lengths) * tasks, "tasks", wanted(as_json)) as counter:
-            report = run_bench(model, lengths, parse_budgets(budgets, tolerance, sketch_every), tasks,
-                               progress=None if as_json else lambda line: typer.echo(line, err=True),
-                               counter=counter)
-    except ValueError as e:  # ConfigError is one
-        _fail(str(e))
-    if as_json:
-        typer.echo(json.dumps(report))
-    else:
-        typer.echo(markdown(report))
-    if write_docs:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ lives beside the packages
-        from benchmarks.report import DOC, write_section
-
-        name = re.sub(r"[^A-Za-z0-9.]+", "-", Path(model).name).strip("-")  # one section per model
-        image = DOC.parent / "img" / f"replay-{name}.png"
-        image.parent.mkdir(exist_ok=True)
-        plot(report, image)
-        write_section(f"replay-{name}", f"Tail-Replay on {name}: fidelity, quality and TTFT by budget "
-                      "(`hcw bench replay`)", markdown(report) + f"\n\n![replay on {name}](img/{image.name})")
 
 
 @app.command("inspect")
@@ -226,13 +139,13 @@ def inspect_db(
     from workbench.inspect_cmd import DatabaseUnreadable, inspect
 
     if session is not None and (verify or gc):
-        _fail("--session shows one conversation; run --verify and --gc without it")
+        fail("--session shows one conversation; run --verify and --gc without it")
     try:
         bad = inspect(db, verify, gc, as_json, sys.stdout, session)
     except DatabaseUnreadable as e:
-        _fail(str(e), 1)
+        fail(str(e), 1)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     if bad:
         raise typer.Exit(1)
 
@@ -254,9 +167,9 @@ def conversations(
     try:
         list_conversations(db, limit, query, as_json, sys.stdout)
     except DatabaseUnreadable as e:
-        _fail(str(e), 1)
+        fail(str(e), 1)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 @app.command()
@@ -276,11 +189,11 @@ def export(
     try:
         write_export(db, conversation, branch, fmt, sys.stdout)
     except (DatabaseUnreadable, ConversationDamaged) as e:
-        _fail(str(e), 1)
+        fail(str(e), 1)
     except KeyError as e:
-        _fail(e.args[0])
+        fail(e.args[0])
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 @app.command()
@@ -339,7 +252,7 @@ def chat(
                               replay_budget=(budget := parse_budget(replay_budget)),
                               replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
                               sketch_every=gdn_sketches, deterministic=deterministic,
-                              engine=_engine_config(prefill_chunk_size=1024), **given)
+                              engine=engine_config(prefill_chunk_size=1024), **given)
         line_based = plain or as_json or not sys.stdin.isatty()
         if line_based:
             t0 = time.perf_counter()
@@ -352,9 +265,9 @@ def chat(
             ModelConfig.from_folder(resolve_model(model))
             chat_session = RemoteSession(opts, wait=False)
     except (ConfigError, ValueError, KeyError, EngineProcessError) as e:
-        _fail(e.args[0] if e.args else str(e))
+        fail(e.args[0] if e.args else str(e))
     except (sqlite3.DatabaseError, OSError) as e:
-        _fail(f"cannot open the workbench database {db or '(default)'}: {e}")
+        fail(f"cannot open the workbench database {db or '(default)'}: {e}")
     if line_based:
         from workbench.plain import run_plain
 
@@ -367,83 +280,8 @@ def chat(
     raise typer.Exit(workbench.return_code or 0)  # 1 when the engine's process died under it
 
 
-@app.command()
-def models(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
-    """The built-in models (loadable by name, nothing downloaded): parameters, layers, what one
-    sequence's state costs per token and whatever its length, and the layer kinds."""
-    from workbench.catalog import builtins, table
-
-    found = builtins()
-    typer.echo(json.dumps({"models": found}) if as_json else table(found), nl=as_json)
-
-
-@app.command()
-def show(
-    model: str = typer.Argument(..., help="a built-in model's name (`hcw models`) or a model folder"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-) -> None:
-    """One model from its config.json (its weights are not loaded): type, parameters, layer kinds
-    and order, sizes, tokenizer and chat template, and its state's bytes by state kind."""
-    from workbench.catalog import describe, details
-
-    try:
-        found = describe(model)
-    except ValueError as e:  # ConfigError: no such folder or name, a config hcw cannot run
-        _fail(str(e))
-    typer.echo(json.dumps(found) if as_json else details(found), nl=as_json)
-
-
-@app.command("train-tiny")
-def train_tiny(
-    out: Path = typer.Option(..., "--out", help="folder for the weights, config and loss log"),
-    minutes: float = typer.Option(88.0, "--minutes", min=0.1, help="time bound (a slow machine stops early)"),
-    steps: int = typer.Option(2200, "--steps", min=1, help="the run's length in steps"),
-    seed: int = typer.Option(0, "--seed"),
-    hidden: int = typer.Option(128, "--hidden", min=32),
-    seq_len: int = typer.Option(2048, "--seq-len", min=64, help="final length (the curriculum starts shorter)"),
-    batch_size: int = typer.Option(3, "--batch", min=1, help="final batch (doubled per halved length)"),
-    halvings: int = typer.Option(5, "--halvings", min=0, help="curriculum steps: each halves the length"),
-    lr: float = typer.Option(2e-3, "--lr", min=0.0),
-    init_from: Path | None = typer.Option(None, "--init-from", help="continue from this model folder's weights"),
-    arch: str = typer.Option("hcw_hybrid", "--arch",
-                             help="hcw_hybrid (hcw-tiny: every layer kind) or qwen3_5 (3 GDN : 1 full attention)"),
-) -> None:
-    """Train hcw-tiny (every layer kind), or a Qwen3.5-architecture model with --arch qwen3_5, on
-    the synthetic recall data, on this machine's CPU."""
-    from workbench.tiny.train import TrainConfig, train
-
-    if hidden % 32 or (arch == "qwen3_5" and hidden % 64):
-        _fail("--hidden must be a multiple of 32 (of 64 for qwen3_5)")
-    if arch not in ("hcw_hybrid", "qwen3_5"):
-        _fail(f"--arch must be hcw_hybrid or qwen3_5, not {arch!r}")
-    summary, _ = train(TrainConfig(hidden=hidden, seq_len=seq_len, batch_size=batch_size, steps=steps,
-                                minutes=minutes, seed=seed, halvings=halvings, lr=lr, arch=arch), out,
-                       progress=lambda line: typer.echo(line, err=True), init_from=init_from)
-    typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}))
-
-
-@app.command("random-model")
-def random_model(
-    out: Path = typer.Argument(..., help="folder to write config.json + model.safetensors into"),
-    hidden: int = typer.Option(256, "--hidden", min=64),
-    layers: int = typer.Option(8, "--layers", min=1),
-    attn_every: int = typer.Option(4, "--attn-every", min=1, help="one full-attention layer every N layers"),
-    seed: int = typer.Option(0, "--seed"),
-    mixed: bool = typer.Option(False, "--mixed", help="every layer kind in one model"),
-) -> None:
-    """Write a random-weight hybrid (byte tokenizer) for trying the engine out: Qwen3.5-style, or
-    with --mixed an hcw_hybrid with every layer kind (GDN, full, sliding, CSA, HCA)."""
-    from engine.model.random_init import hcw_hybrid_dict, qwen3_5_text_dict, write_random_model
-
-    if hidden % 64:
-        _fail("--hidden must be a multiple of 64")
-    if mixed:
-        raw = hcw_hybrid_dict(hidden=hidden)
-    else:
-        raw = qwen3_5_text_dict(hidden=hidden, layers=layers, attn_every=attn_every)
-    write_random_model(out, raw, seed=seed)
-    typer.echo(json.dumps({"model": str(out), "model_type": raw["model_type"], "hidden": hidden,
-                           "layers": raw["num_hidden_layers"]}))
+# the commands about models (and `hcw bench`), registered on `app` as their module is imported
+import workbench.cli_models  # noqa: E402,F401
 
 
 def main() -> None:

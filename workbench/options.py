@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.cache.config import CacheConfig, Reuse
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 
 REUSE_POLICIES = tuple(Reuse)
 
