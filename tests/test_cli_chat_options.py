@@ -62,6 +62,8 @@ def test_system_and_continue_reach_chat_options(captured):
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--seed", "x"], "valid integer"),
     (["-c", "--session", "ab"], "not both"),
+    (["-c", "--system", "be brief"], "--system starts a new conversation"),
+    (["--session", "ab", "--system", ""], "--system starts a new conversation"),
 ])
 def test_bad_chat_options_exit_2_with_one_line(args, message):
     res = runner.invoke(app, ["chat", "--plain", *args])

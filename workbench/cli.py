@@ -244,6 +244,9 @@ def chat(
     # only what was given: the rest keeps ChatOptions' defaults
     given = {k: v for k, v in {"temperature": temperature, "top_p": top_p, "seed": seed}.items() if v is not None}
     if system is not None:
+        if session is not None or continue_last:  # a stored conversation keeps the system message it began with
+            fail("--system starts a new conversation; --session and --continue resume one whose system "
+                 "message is already in its tree")
         given["system"] = system or None  # '': no system message
     try:
         opts = ChatOptions.of(model=model, db=db, session=session, continue_last=continue_last, reuse=reuse,
