@@ -7,9 +7,9 @@
              16-bit floats byte-shuffled (byte plane 0 of every element, then plane 1, each plane
              ending a zstd block): their sign-and-exponent plane compresses apart from the noisy
              mantissa bytes. Wider types are stored in element order: shuffling float32 would
-             gain ~10% of ratio on these states (1.07x -> 1.18x on KV, docs/BENCHMARKS.md) but
-             cost an un-shuffle pass over every restored byte, while a plain payload decompresses
-             straight into the tensor's memory (a restore's target is half of raw zstd's speed).
+             gain a little ratio on these states (docs/BENCHMARKS.md) but cost an un-shuffle
+             pass over every restored byte, while a plain payload decompresses straight into the
+             tensor's memory.
              The header's shuffle flag says which, so blobs written either way read back.
 
 The disk tier writes packs: one per segment and state kind, so a restore pays the per-blob costs
@@ -119,8 +119,8 @@ def _frame(payload: bytes, planes: int, level: int) -> bytes:
     """One zstd frame (content size and checksum on) of `payload`; a shuffled payload's byte
     planes each end a block. zstd codes a block's literals with one Huffman table, and a
     segment's pack is small enough for both planes of a 16-bit float to share a block: the
-    exponent plane (~3 bits a byte) then pays for the mantissa's table. Ending a block between
-    them gave bf16 KV packs 1.42x instead of 1.28x (docs/BENCHMARKS.md). Any zstd reader reads it."""
+    exponent plane then pays for the mantissa's table; ending a block between them compresses
+    bf16 KV packs better (docs/BENCHMARKS.md). Any zstd reader reads it."""
     compressor = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     if planes == 1:
         return compressor.compress(payload)
@@ -237,7 +237,7 @@ def _payload(h: _Header) -> np.ndarray:
     if not h.shuffled:
         return _decompress_into(h, np.empty(h.expected, dtype=np.uint8))
     flat = _decompress_into(h, _scratch(h.expected))
-    # plane by plane into the interleaved layout: ~3x faster than a transposed copy (measured)
+    # plane by plane into the interleaved layout: faster than a transposed copy (docs/BENCHMARKS.md)
     planes = flat.reshape(h.itemsize, -1)
     out = np.empty((planes.shape[1], h.itemsize), dtype=np.uint8)
     for i in range(h.itemsize):

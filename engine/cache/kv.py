@@ -74,8 +74,8 @@ class KVState:
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> KVState:
         """One buffer per tensor with room past seq_len (an eighth more, at least 256 positions) for
-        the request's new tokens: appending to an exact-size buffer copied every restored key and
-        value again (~5 ms of a 32K resume)."""
+        the request's new tokens: appending to an exact-size buffer would copy every restored key
+        and value again."""
         parts = pieces["kv"]
         held = sum(p[0].shape[2] for p in parts)
         if held != seq_len:  # (cat into a view of the wrong length would scramble it, not fail)
