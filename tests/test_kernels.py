@@ -395,3 +395,29 @@ def test_paged_prefill_kernel_matches_the_reference(b, t, h, hkv, bs, d, lengths
         paged_prefill(q, k_pool, v_pool, torch.full_like(table, k_pool.shape[0]), n, window)
     with pytest.raises(ValueError, match="blocks, the table has"):
         paged_prefill(q, k_pool, v_pool, table, n + bs * table.shape[1], window)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_states_at_cuts_are_those_of_calls_that_end_there(kernels):
+    """chunk_gated_delta_at yields the state after each cut, to the bit the one a call ending there
+    returns (what a prefill stopping at a segment boundary gets), and the same output and final
+    state as those calls one after another."""
+    from kernels.gated_delta import chunk_gated_delta, chunk_gated_delta_at
+
+    dispatch.select(kernels)
+    q, k, v, g, beta, s0 = _inputs(1, 53, 2, 4, 16, 16, torch.float32, seed=9)
+    cuts = [5, 16, 40]
+    o, final, states = chunk_gated_delta_at(q, k, v, g, beta, s0, cuts)
+    state, pieces = s0, []
+    for lo, hi in zip([0, *cuts], [*cuts, 53]):
+        piece, state = chunk_gated_delta(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state)
+        pieces.append(piece)
+        if hi < 53:
+            assert torch.equal(states[cuts.index(hi)], state)
+    assert len(states) == 3 and torch.equal(final, state) and torch.equal(o, torch.cat(pieces, dim=1))
+    whole_o, whole_s = chunk_gated_delta(q, k, v, g, beta, s0)
+    assert _rel(o, whole_o) < 1e-5 and _rel(final, whole_s) < 1e-5
+    assert chunk_gated_delta_at(q, k, v, g, beta, s0)[2] == []
+    for bad in ([0], [53], [16, 5], [7, 7]):
+        with pytest.raises(ValueError, match="cuts"):
+            chunk_gated_delta_at(q, k, v, g, beta, s0, bad)

@@ -1,8 +1,14 @@
 """Gated delta rule (Gated DeltaNet core): chunked prefill and recurrent decode.
 
 Both forms dispatch (kernels.dispatch): the Triton kernel on CUDA, the torch reference on CPU or
-with HCW_KERNELS=reference.
+with kernels "reference". `chunk_gated_delta_at` is the chunked form that also yields the state
+at given offsets inside the sequence (the prefix cache's boundary snapshots), so the model's
+forward pass need not stop there: the rule's sequence is cut at those offsets, nothing else is.
 """
+
+from collections.abc import Sequence
+
+import torch
 
 from kernels.dispatch import use_triton
 from kernels.gated_delta import reference
@@ -24,9 +30,24 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None):
     return reference.chunk_gated_delta(q, k, v, g, beta, initial_state)
 
 
+def chunk_gated_delta_at(q, k, v, g, beta, initial_state=None, cuts: Sequence[int] = ()):
+    """(o, final state, [the state after token c for each c in cuts]): each state is the one a
+    call that ended at c would return, to the bit, since the rule runs over the same pieces (cuts
+    strictly inside the sequence, increasing)."""
+    t = q.shape[1]
+    if any(not 0 < c < t for c in cuts) or list(cuts) != sorted(set(cuts)):
+        raise ValueError(f"cuts must increase strictly inside the sequence (0, {t}), got {list(cuts)}")
+    outs, states, state = [], [], initial_state
+    for lo, hi in zip([0, *cuts], [*cuts, t]):
+        o, state = chunk_gated_delta(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state)
+        outs.append(o)
+        states.append(state)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state, states[:-1]
+
+
 def _dense(q, k, v, g, beta, initial_state):
     # the engine's q, k, v are views of one projection: the kernels take dense inputs
     return (*(x.contiguous() for x in (q, k, v, g, beta)), None if initial_state is None else initial_state.contiguous())
 
 
-__all__ = ["chunk_gated_delta", "recurrent_gated_delta"]
+__all__ = ["chunk_gated_delta", "chunk_gated_delta_at", "recurrent_gated_delta"]
