@@ -23,4 +23,5 @@ class CacheLookup:
 
     @property
     def reasons(self) -> tuple[str, ...]:
-        return self.plan.failures + ((self.replan_reason,) if self.replan_reason else ())
+        """What the user is shown: each validation failure as its text, then the re-plan reason."""
+        return tuple(str(f) for f in self.plan.failures) + ((self.replan_reason,) if self.replan_reason else ())

@@ -18,12 +18,12 @@ class CacheMetrics:
     usable_hit_tokens: int = 0
     recomputed_tokens: int = 0
     replans: int = 0
-    validation_failures: Counter = field(default_factory=Counter)  # by validation layer
+    validation_failures: Counter = field(default_factory=Counter)  # by validation layer (a Miss's kind)
     recoveries: Counter = field(default_factory=Counter)  # by state kind
     recovery_ms: dict = field(default_factory=dict)  # state kind -> Histogram of recovery latency
     lower_fetches: int = 0  # segments brought in from the lower (disk) tier, verified
     spills: int = 0  # records evicted from memory to the lower tier
-    lower_failures: Counter = field(default_factory=Counter)  # lower-tier misses by reason
+    lower_failures: Counter = field(default_factory=Counter)  # lower-tier misses by kind
     shadow_checks: int = 0
     shadow_mismatches: int = 0
     shadow_max_diff: float = 0.0
@@ -50,7 +50,7 @@ class CacheMetrics:
         self.usable_hit_tokens += plan.usable_tokens
         self.recomputed_tokens += plan.prompt_tokens - plan.usable_tokens
         for failure in plan.failures:
-            self.validation_failures[failure.split(":", 1)[0]] += 1
+            self.validation_failures[failure.kind] += 1
         for obj in plan.objects:
             if obj.action.value == "recover":
                 self.recoveries[obj.kind] += 1

@@ -1,13 +1,14 @@
 """DiskTier: the lowest tier of the prefix cache. It implements the engine's `LowerTier`
 protocol (engine/cache/prefix_cache.py) with plain values, so store/ imports nothing of engine/:
-a piece is (per_segment, data, position), data a tensor, a tuple of tensors, or None.
+a piece is (per_segment, data, position), data a tensor, a tuple of tensors, or None; a failure
+is a `Miss` (kind, detail).
 
     save(...)            every piece's tensors packed by state kind and dtype (codec.py), blobs and
                          the segment row written in one transaction: visible only after commit,
                          never half
     load(key, deadline)  row -> layout fingerprint -> each blob: stored length, checksum over blob
                          and identity, decode (header, declared size, zstd checksum) -> pieces,
-                         or (None, reason): the cache then recomputes that range
+                         or (None, Miss): the cache then recomputes that range
 
 A disk hit is only a logical hit until `load` returns pieces.
 """
@@ -20,6 +21,7 @@ import json
 import sqlite3
 import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,8 +31,26 @@ from store.codec import BlobError, checksum, decode_many, encode_pack
 from store.db import now, open_db
 
 
+@dataclass(frozen=True)
+class Miss:
+    """Why the tier cannot deliver or keep a segment: `kind` is what it is counted by (missing,
+    fingerprint, checksum, length, decode, timeout, io, unexpected, save), `detail` what exactly;
+    str() is "kind: detail". The engine's LowerTier protocol reads only those (its own
+    engine/cache/miss.py has the same shape: store/ imports nothing of engine/)."""
+
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
 class DiskMiss(Exception):
-    """A segment the disk tier cannot deliver; the message is the reason."""
+    """Raised inside a read: the segment cannot be delivered, for the reason `miss`."""
+
+    def __init__(self, kind: str, detail: str):
+        self.miss = Miss(kind, detail)
+        super().__init__(str(self.miss))
 
 
 def _identity(key: str, layer: int, kind: str, part: int, per_segment: int, position: int) -> bytes:
@@ -127,23 +147,23 @@ class DiskTier:
     def flush(self) -> bool:
         return True  # the LowerTier protocol: every save is written when it returns
 
-    def take_failures(self) -> list[tuple[bytes, str]]:
+    def take_failures(self) -> list[tuple[bytes, Miss]]:
         return []  # a save reports its own failure
 
     def has(self, key: bytes) -> bool:
         return self.db.execute("SELECT 1 FROM segments WHERE key = ?", [key.hex()]).fetchone() is not None
 
     def save(self, key_b: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
-             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> tuple[bool, str]:
+             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> tuple[bool, Miss | None]:
         """Merge `pieces` into the segment's row (kinds not given keep what is stored):
-        (True, "") or (False, reason); nothing is half-written either way."""
+        (True, None) or (False, why); nothing is half-written either way."""
         try:
             self._save(key_b.hex(), parent, index, tokens, layout, pieces)
         except (sqlite3.Error, OSError, BlobError, ValueError) as e:
             self.failures["save"] = self.failures.get("save", 0) + 1
-            return False, f"save: {type(e).__name__}: {e}"
+            return False, Miss("save", f"{type(e).__name__}: {e}")
         self.saved += 1
-        return True, ""
+        return True, None
 
     def _save(self, key: str, parent: bytes, index: int, tokens: bytes, layout: bytes, pieces: dict) -> None:
         counts = {}
@@ -220,27 +240,27 @@ class DiskTier:
         rows = self.db.execute(f"SELECT {read} FROM segments WHERE layout = ? ORDER BY idx", [self.layout])
         return [{c: _value(row[2 * i], row[2 * i + 1]) for i, c in enumerate(cols)} for row in rows.fetchall()]
 
-    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
-        """(pieces, "") or (None, reason); every failure is counted by its kind."""
+    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, Miss | None]:
+        """(pieces, None) or (None, why); every failure is counted by its kind."""
         return self._counted(self._guarded(lambda: self._load(key.hex(), deadline)))
 
-    def _counted(self, result: tuple[dict | None, str]) -> tuple[dict | None, str]:
+    def _counted(self, result: tuple[dict | None, Miss | None]) -> tuple[dict | None, Miss | None]:
         if result[0] is None:
-            kind = result[1].split(":", 1)[0]
+            kind = result[1].kind
             self.failures[kind] = self.failures.get(kind, 0) + 1
         return result
 
     @staticmethod
-    def _guarded(step) -> tuple[object | None, str]:
-        """A read step's value, or (None, reason) for whatever it raised."""
+    def _guarded(step) -> tuple[object | None, Miss | None]:
+        """A read step's value, or (None, why) for whatever it raised."""
         try:
-            return step(), ""
+            return step(), None
         except DiskMiss as e:
-            return None, str(e)
+            return None, e.miss
         except (sqlite3.Error, OSError) as e:
-            return None, f"io: {e}"
+            return None, Miss("io", str(e))
         except Exception as e:  # noqa: BLE001 - whatever else a damaged file provokes is a counted miss, not a crash
-            return None, f"unexpected: {type(e).__name__}: {e}"
+            return None, Miss("unexpected", f"{type(e).__name__}: {e}")
 
     _SEGMENT = "SELECT key, layout, tokens, token_digest, presence FROM segments WHERE key IN ({})"
     _BLOBS = ("SELECT segment, layer, kind, part, per_segment, position, length, checksum, data, codec, members "
@@ -293,33 +313,33 @@ class DiskTier:
         if self.read_hook is not None and kinds is None:
             self.read_hook(key)
         if rows is None:
-            raise DiskMiss("missing: no segment row")
+            raise DiskMiss("missing", "no segment row")
         segment, blob_rows = rows
         if segment.layout != self.layout:
-            raise DiskMiss("fingerprint: written under another model or layout")
+            raise DiskMiss("fingerprint", "written under another model or layout")
         if checksum(segment.tokens).hex() != segment.digest:
-            raise DiskMiss("checksum: token ids do not match their digest")
+            raise DiskMiss("checksum", "token ids do not match their digest")
         presence = segment.presence
         names, blobs = [], []
         for layer, kind, part, per_segment, position, length, csum, data, codec, members in blob_rows:
             if kinds is not None and kind not in kinds:
                 continue
             if deadline is not None and time.monotonic() > deadline:
-                raise DiskMiss("timeout: the read deadline passed")
+                raise DiskMiss("timeout", "the read deadline passed")
             if not isinstance(data, bytes) or len(data) != length:
                 got = len(data) if isinstance(data, bytes) else type(data).__name__
-                raise DiskMiss(f"length: blob {layer}:{kind}:{part} holds {got}, row says {length} bytes")
+                raise DiskMiss("length", f"blob {layer}:{kind}:{part} holds {got}, row says {length} bytes")
             if codec == PACK_CODEC:
                 ident = _pack_identity(key, kind, members if isinstance(members, str) else "")
                 try:
                     entries = json.loads(members)
                 except (TypeError, ValueError):
-                    raise DiskMiss(f"checksum: pack {kind}:{part} has unreadable members") from None
+                    raise DiskMiss("checksum", f"pack {kind}:{part} has unreadable members") from None
             else:  # a row written before packs: one tensor
                 ident = _identity(key, layer, kind, part, per_segment, position)
                 entries = [(layer, part, per_segment, position)]
             if checksum(data, prefix=ident) != csum:
-                raise DiskMiss(f"checksum: blob {layer}:{kind}:{part}")
+                raise DiskMiss("checksum", f"blob {layer}:{kind}:{part}")
             names.append((kind, entries))
             blobs.append(data)
         return (presence, names, kinds), blobs
@@ -333,33 +353,33 @@ class DiskTier:
         members = 0
         for (kind, entries), value in zip(names, decoded):
             if isinstance(value, BlobError):
-                raise DiskMiss(f"decode: blob {kind}: {value}")
+                raise DiskMiss("decode", f"blob {kind}: {value}")
             values = value if isinstance(value, list) else [value]
             if len(values) != len(entries):
-                raise DiskMiss(f"decode: pack {kind} holds {len(values)} tensors for {len(entries)} members")
+                raise DiskMiss("decode", f"pack {kind} holds {len(values)} tensors for {len(entries)} members")
             members += len(entries)
             for (layer, part, per_segment, position), t in zip(entries, values):
                 stored[layer, kind, part] = (t, per_segment, position)
         if len(stored) != members:
-            raise DiskMiss("decode: a piece's part is stored twice")
+            raise DiskMiss("decode", "a piece's part is stored twice")
         pieces = {}
         for layer, kind, count in _recorded(presence):
             if kinds is not None and kind not in kinds:
                 continue
             if count < 1:
-                raise DiskMiss(f"missing: piece {layer}:{kind} is recorded with no parts")
+                raise DiskMiss("missing", f"piece {layer}:{kind} is recorded with no parts")
             if count == 1:
                 got = stored.pop((layer, kind, 0), None)
                 if got is None:
-                    raise DiskMiss(f"missing: piece {layer}:{kind}")
+                    raise DiskMiss("missing", f"piece {layer}:{kind}")
                 pieces[layer, kind] = (bool(got[1]), got[0], got[2])
                 continue
             parts = [stored.pop((layer, kind, part), None) for part in range(count)]
             if None in parts:
-                raise DiskMiss(f"missing: piece {layer}:{kind} lacks a part")
+                raise DiskMiss("missing", f"piece {layer}:{kind} lacks a part")
             pieces[layer, kind] = (bool(parts[0][1]), tuple(p[0] for p in parts), parts[0][2])
         if stored:
-            raise DiskMiss("missing: the segment's blobs do not match its recorded pieces and parts")
+            raise DiskMiss("missing", "the segment's blobs do not match its recorded pieces and parts")
         return pieces
 
     def close(self) -> None:

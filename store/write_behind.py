@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from store.tier import DiskTier
+from store.tier import DiskTier, Miss
 
 
 class WriteBehind:
@@ -25,7 +25,7 @@ class WriteBehind:
         self._cond = threading.Condition()
         self._pending: dict[bytes, tuple] = {}  # key -> save arguments, merged while queued
         self._order: deque[bytes] = deque()
-        self._failures: list[tuple[bytes, str]] = []
+        self._failures: list[tuple[bytes, Miss]] = []
         self._writing: tuple | None = None  # the save being written: still readable from here
         self._closed = False
         self.saved = 0
@@ -65,10 +65,10 @@ class WriteBehind:
         self.tier.read_hook = hook
 
     def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
-             pieces: dict) -> tuple[bool, str]:
+             pieces: dict) -> tuple[bool, Miss | None]:
         with self._cond:
             if self._closed or not self._thread.is_alive():
-                return False, "io: the write-behind writer is not running"
+                return False, Miss("io", "the write-behind writer is not running")
             if key in self._pending:
                 old = self._pending[key]
                 pieces = {**old[5], **pieces}
@@ -76,12 +76,12 @@ class WriteBehind:
                 self._order.append(key)
             self._pending[key] = (key, parent, index, tokens, layout, pieces)
             self._cond.notify_all()
-        return True, ""
+        return True, None
 
-    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
+    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, Miss | None]:
         queued = self._queued(key)
         if queued is not None:
-            return self._merged(key, queued, deadline), ""
+            return self._merged(key, queued, deadline), None
         return self.tier.load(key, deadline)
 
     def load_many(self, keys: list[bytes], deadline: float | None = None):
@@ -91,7 +91,7 @@ class WriteBehind:
         while at < len(keys):
             queued = self._queued(keys[at])
             if queued is not None:
-                yield self._merged(keys[at], queued, deadline), ""
+                yield self._merged(keys[at], queued, deadline), None
                 at += 1
                 continue
             end = at + 1
@@ -136,7 +136,7 @@ class WriteBehind:
             return self._cond.wait_for(lambda: (not self._pending and self._writing is None)
                                        or not self._thread.is_alive(), timeout) and not self._pending
 
-    def take_failures(self) -> list[tuple[bytes, str]]:
+    def take_failures(self) -> list[tuple[bytes, Miss]]:
         with self._cond:
             out, self._failures = self._failures, []
         return out
@@ -164,7 +164,7 @@ class WriteBehind:
             try:
                 ok, why = writer.save(*args)
             except Exception as e:  # noqa: BLE001 - whatever a save raises is a failed write, reported; the writer lives on
-                ok, why = False, f"unexpected: {type(e).__name__}: {e}"
+                ok, why = False, Miss("unexpected", f"{type(e).__name__}: {e}")
             with self._cond:
                 self._writing = None
                 if ok:

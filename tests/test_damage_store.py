@@ -71,7 +71,7 @@ def _workbench(path, segments: int = 4):
         gen = torch.Generator().manual_seed(i)
         pieces = {(0, "kv"): (True, (torch.randn(1, 2, B, 8, generator=gen), torch.randn(1, 2, B, 8, generator=gen)), 0),
                   (1, "recurrent"): (False, torch.randn(2, 8, 8, generator=gen), (i + 1) * B)}
-        assert tier.save(key, parent, i, tokens, LAYOUT, pieces) == (True, "")
+        assert tier.save(key, parent, i, tokens, LAYOUT, pieces) == (True, None)
         keys.append(key.hex())
         parent = key
     tier.close()

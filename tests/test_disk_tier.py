@@ -21,7 +21,7 @@ from engine.cache.prefix_cache import PrefixCache
 from engine.engine import Engine
 from engine.model.random_init import hcw_hybrid_dict, write_random_model
 from store.codec import BlobError, checksum, decode, decode_pack, encode, encode_pack
-from store.tier import DiskTier
+from store.tier import DiskTier, Miss
 
 B = 16
 
@@ -428,12 +428,12 @@ class DiskMachine(RuleBasedStateMachine):
             self.tier.db.conn.execute("DELETE FROM segments WHERE key = ?", [key.hex()])
         del self.model[key]
         pieces, why = self.tier.load(key)
-        assert pieces is None and why.startswith("missing")
+        assert pieces is None and str(why).startswith("missing")
 
     @rule()
     def save_nothing_is_refused(self):
         ok, why = self.tier.save(b"\x09" * 16, b"\x00" * 16, 0, bytes(8 * 16), self.layout, {})
-        assert not ok and "no pieces" in why
+        assert not ok and "no pieces" in str(why)
 
     @rule()
     def crash_and_reopen(self):
@@ -482,11 +482,11 @@ def test_a_partial_save_keeps_the_other_layers_of_a_kind(tmp_path):
     key = b"\x07" * 16
     first = {(layer, "kv"): (True, (torch.randn(2, 4), torch.randn(2, 4)), 0) for layer in range(3)}
     first[(0, "window")] = (False, torch.randn(5, 3).bfloat16(), 16)
-    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, first) == (True, "")
+    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, first) == (True, None)
     newer = (True, (torch.randn(2, 4), torch.randn(2, 4)), 0)
-    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, {(1, "kv"): newer}) == (True, "")
+    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, {(1, "kv"): newer}) == (True, None)
     pieces, why = tier.load(key)
-    assert why == "" and sorted(pieces) == [(0, "kv"), (0, "window"), (1, "kv"), (2, "kv")]
+    assert why is None and sorted(pieces) == [(0, "kv"), (0, "window"), (1, "kv"), (2, "kv")]
     for layer, want in ((0, first[(0, "kv")]), (1, newer), (2, first[(2, "kv")])):
         assert all(torch.equal(a, b) for a, b in zip(pieces[(layer, "kv")][1], want[1]))
     assert pieces[(0, "window")][1].dtype == torch.bfloat16 and pieces[(0, "window")][2] == 16
@@ -514,7 +514,7 @@ def test_rows_written_before_packs_are_still_read(tmp_path):
                         [key.hex(), part, t.numel() * 4, len(blob),
                          checksum(blob, prefix=_identity(key.hex(), 0, "kv", part, 1, 0)), blob])
     pieces, why = tier.load(key)
-    assert why == "" and all(torch.equal(a, b) for a, b in zip(pieces[(0, "kv")][1], kv))
+    assert why is None and all(torch.equal(a, b) for a, b in zip(pieces[(0, "kv")][1], kv))
 
 
 def test_a_partial_save_beside_a_damaged_kind_keeps_the_healthy_one(tmp_path):
@@ -529,9 +529,9 @@ def test_a_partial_save_beside_a_damaged_kind_keeps_the_healthy_one(tmp_path):
         (data,) = con.execute("SELECT data FROM blobs WHERE kind = 'conv'").fetchone()
         con.execute("UPDATE blobs SET data = ? WHERE kind = 'conv'", [data[:-1] + bytes([data[-1] ^ 1])])
     newer = {(0, "conv"): (False, torch.randn(2, 3), 16), (0, "rec"): (False, torch.randn(2, 3), 16)}
-    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, newer) == (True, "")
+    assert tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, newer) == (True, None)
     pieces, why = tier.load(key)
-    assert why == "" and sorted(pieces) == [(0, "conv"), (0, "rec"), (1, "rec")]  # 1:conv was damaged: gone
+    assert why is None and sorted(pieces) == [(0, "conv"), (0, "rec"), (1, "rec")]  # 1:conv was damaged: gone
     assert torch.equal(pieces[(1, "rec")][1], first[(1, "rec")][1])
 
 
@@ -551,7 +551,7 @@ def test_load_many_yields_what_load_gives_key_by_key_across_batches(tmp_path):
     for i, key in enumerate(keys):
         pieces = {(layer, "kv"): (True, (torch.randn(2, 4), torch.randn(2, 4)), 16 * i) for layer in range(2)}
         pieces[(0, "conv")] = (False, torch.randn(3, 2).bfloat16(), 16 * i)
-        assert tier.save(key, b"\x00" * 16, i, bytes(8 * 16), b"\x01" * 16, pieces) == (True, "")
+        assert tier.save(key, b"\x00" * 16, i, bytes(8 * 16), b"\x01" * 16, pieces) == (True, None)
     con = tier.db.conn
     with con:  # key 3: a flipped byte in one blob; key 5: its segment row gone
         (rowid, data) = con.execute("SELECT id, data FROM blobs WHERE segment = ? LIMIT 1", [keys[3].hex()]).fetchone()
@@ -560,7 +560,7 @@ def test_load_many_yields_what_load_gives_key_by_key_across_batches(tmp_path):
         con.execute("DELETE FROM segments WHERE key = ?", [keys[5].hex()])
     asked = keys + [b"\x7f" * 16]
     one_by_one = [tier.load(k) for k in asked]
-    assert [why.split(":")[0] for _, why in one_by_one] == ["", "", "", "checksum", "", "missing", "", "missing"]
+    assert [why.kind if why else "" for _, why in one_by_one] == ["", "", "", "checksum", "", "missing", "", "missing"]
     for batch in (1, 2, 3, 32):
         many = list(tier.load_many(asked, batch=batch))
         assert [why for _, why in many] == [why for _, why in one_by_one]
@@ -584,7 +584,7 @@ def test_load_many_turns_a_failed_batch_read_into_misses(tmp_path):
         raise sqlite3.OperationalError("disk I/O error")
     tier._rows = broken
     before = tier.failures.get("io", 0)
-    assert [why for _, why in tier.load_many([key, key])] == ["io: disk I/O error"] * 2
+    assert [str(why) for _, why in tier.load_many([key, key])] == ["io: disk I/O error"] * 2
     assert tier.failures["io"] == before + 2
 
 
@@ -606,7 +606,7 @@ def test_a_blob_without_its_segment_row_costs_only_its_own_key(tmp_path):
     con.close()
     tier = DiskTier(path, b"\x01" * 16)
     asked = keys[:2] + [b"\x09" * 16] + keys[2:]
-    want = ["", "", "missing: no segment row", "", ""]
+    want = [None, None, Miss("missing", "no segment row"), None, None]
     assert [why for _, why in (tier.load(k) for k in asked)] == want
     assert [why for _, why in tier.load_many(asked)] == want
 
@@ -617,7 +617,7 @@ def test_a_piece_recorded_with_no_parts_is_a_named_miss(tmp_path):
     tier.save(key, b"\x00" * 16, 0, bytes(8 * 16), b"\x01" * 16, {(0, "kv"): (True, torch.randn(2, 8), 16)})
     with tier.db.conn:
         tier.db.conn.execute("UPDATE segments SET presence = ? WHERE key = ?", ['{"0:kv": 1, "1:kv": 0}', key.hex()])
-    assert tier.load(key) == (None, "missing: piece 1:kv is recorded with no parts")
+    assert tier.load(key) == (None, Miss("missing", "piece 1:kv is recorded with no parts"))
 
 
 def test_an_unreadable_row_in_a_batch_costs_only_its_own_key(tmp_path):
@@ -630,5 +630,5 @@ def test_an_unreadable_row_in_a_batch_costs_only_its_own_key(tmp_path):
     with tier.db.conn:
         tier.db.conn.execute("UPDATE blobs SET kind = CAST(X'ff' AS TEXT) WHERE segment = ?", [bad.hex()])
     got = [why for _, why in tier.load_many([good, bad])]
-    assert got[0] == "" and got[1].startswith("io: ")
+    assert got[0] is None and str(got[1]).startswith("io: ")
     assert not tier.db.conn.in_transaction

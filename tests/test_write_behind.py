@@ -15,7 +15,7 @@ from engine.engine import Engine
 from engine.config import ModelConfig
 from engine.model.hybrid import HybridModel
 from engine.model.random_init import init_random, qwen3_5_text_dict
-from store.tier import DiskTier
+from store.tier import DiskTier, Miss
 from store.write_behind import WriteBehind
 
 LAYOUT = b"\x07" * 16
@@ -44,16 +44,16 @@ def blocked_writer(monkeypatch):
 def test_a_queued_save_returns_at_once_stays_readable_and_flush_makes_it_durable(tmp_path, blocked_writer):
     wb = WriteBehind(tmp_path / "w.db", LAYOUT)
     pieces = _pieces(1)
-    assert wb.save(b"k" * 16, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, pieces) == (True, "")
+    assert wb.save(b"k" * 16, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, pieces) == (True, None)
     assert wb.queued == 1 and not DiskTier(tmp_path / "w.db", LAYOUT).has(b"k" * 16)
     got, why = wb.load(b"k" * 16)
-    assert why == "" and torch.equal(got[(1, "recurrent")][1], pieces[(1, "recurrent")][1])
+    assert why is None and torch.equal(got[(1, "recurrent")][1], pieces[(1, "recurrent")][1])
     assert [r["key"] for r in wb.segments()] == [(b"k" * 16).hex()]
     blocked_writer.set()
     assert wb.flush(timeout=30)
     assert wb.queued == 0 and wb.saved == 1
     again, why = DiskTier(tmp_path / "w.db", LAYOUT).load(b"k" * 16)
-    assert why == "" and torch.equal(again[(0, "kv")][1][0], pieces[(0, "kv")][1][0])
+    assert why is None and torch.equal(again[(0, "kv")][1][0], pieces[(0, "kv")][1][0])
     wb.close()
 
 
@@ -96,7 +96,7 @@ def test_spills_under_a_small_budget_go_through_the_queue_and_hits_stay_exact(tm
 def test_a_failed_background_write_is_reported_and_the_segment_forgotten(tmp_path, monkeypatch):
     model = _model()
     cfg = CacheConfig(block_size=16, checkpoint_every=1)
-    monkeypatch.setattr(DiskTier, "save", lambda self, *a: (False, "io: disk full"))
+    monkeypatch.setattr(DiskTier, "save", lambda self, *a: (False, Miss("io", "disk full")))
     wb = WriteBehind(tmp_path / "f.db", layout_fingerprint(model, cfg))
     cache = PrefixCache(model, cfg, lower=wb)
     engine = Engine(model, cache=cache)
@@ -124,8 +124,8 @@ def test_an_exception_in_a_background_write_is_a_reported_failure_not_a_dead_wri
     wb = WriteBehind(tmp_path / "x.db", LAYOUT)
     wb.save(b"a" * 16, b"\x00" * 16, 0, bytes(128), LAYOUT, _pieces(1))
     assert wb.flush(timeout=30)
-    assert [why for _, why in wb.take_failures()] == ["unexpected: RuntimeError: encoder blew up"]
-    assert wb.save(b"b" * 16, b"\x00" * 16, 1, bytes(128), LAYOUT, _pieces(2)) == (True, "")
+    assert [str(why) for _, why in wb.take_failures()] == ["unexpected: RuntimeError: encoder blew up"]
+    assert wb.save(b"b" * 16, b"\x00" * 16, 1, bytes(128), LAYOUT, _pieces(2)) == (True, None)
     assert wb.flush(timeout=30) and wb.saved == 1  # the writer lived on
     wb.close()
     assert wb.save(b"c" * 16, b"\x00" * 16, 2, bytes(128), LAYOUT, _pieces(3))[0] is False
@@ -135,12 +135,12 @@ def test_load_many_serves_queued_segments_from_the_queue_and_the_rest_from_disk(
     disk = DiskTier(tmp_path / "lm.db", LAYOUT)
     on_disk = [bytes([i]) * 16 for i in (1, 2)]
     for i, key in enumerate(on_disk):
-        assert disk.save(key, b"\x00" * 16, i, bytes(8 * 16), LAYOUT, _pieces(10 + i)) == (True, "")
+        assert disk.save(key, b"\x00" * 16, i, bytes(8 * 16), LAYOUT, _pieces(10 + i)) == (True, None)
     wb = WriteBehind(tmp_path / "lm.db", LAYOUT)
     queued = b"q" * 16
-    assert wb.save(queued, b"\x00" * 16, 2, bytes(8 * 16), LAYOUT, _pieces(3)) == (True, "")
+    assert wb.save(queued, b"\x00" * 16, 2, bytes(8 * 16), LAYOUT, _pieces(3)) == (True, None)
     got = list(wb.load_many([on_disk[0], queued, on_disk[1], b"z" * 16]))
-    assert [why.split(":")[0] for _, why in got] == ["", "", "", "missing"]
+    assert [why.kind if why else "" for _, why in got] == ["", "", "", "missing"]
     assert torch.equal(got[1][0][(1, "recurrent")][1], _pieces(3)[(1, "recurrent")][1])
     assert torch.equal(got[2][0][(1, "recurrent")][1], _pieces(11)[(1, "recurrent")][1])
     blocked_writer.set()
@@ -173,12 +173,12 @@ def test_a_queued_partial_save_reads_back_merged_over_what_the_disk_holds(tmp_pa
     review: the queued pieces alone came back)."""
     key = b"p" * 16
     first = _pieces(1)
-    assert DiskTier(tmp_path / "part.db", LAYOUT).save(key, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, first) == (True, "")
+    assert DiskTier(tmp_path / "part.db", LAYOUT).save(key, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, first) == (True, None)
     wb = WriteBehind(tmp_path / "part.db", LAYOUT)
     newer = {(1, "recurrent"): _pieces(2)[(1, "recurrent")]}
-    assert wb.save(key, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, newer) == (True, "")
+    assert wb.save(key, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, newer) == (True, None)
     for got, why in (wb.load(key), next(wb.load_many([key]))):
-        assert why == "" and sorted(got) == [(0, "kv"), (1, "recurrent")]
+        assert why is None and sorted(got) == [(0, "kv"), (1, "recurrent")]
         assert torch.equal(got[(1, "recurrent")][1], newer[(1, "recurrent")][1])
         assert torch.equal(got[(0, "kv")][1][0], first[(0, "kv")][1][0])
     blocked_writer.set()

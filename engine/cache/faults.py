@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.cache.config import CacheConfig
+from engine.cache.miss import Miss
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.state_table import SegmentRecord
 
@@ -111,25 +112,25 @@ class MemoryTier:
         self.mode = ""  # "" | "fail" | "delay"
         self.delay_s = 0.0
 
-    def save(self, key, parent, index, tokens, layout, pieces) -> tuple[bool, str]:
+    def save(self, key, parent, index, tokens, layout, pieces) -> tuple[bool, Miss | None]:
         old = self.rows[key][3] if key in self.rows else {}
         self.rows[key] = (parent, index, tokens, {**old, **{k: (p, _copy(d), pos) for k, (p, d, pos) in pieces.items()}})
-        return True, ""
+        return True, None
 
     def segments(self) -> list[dict]:
         return [{"key": k.hex(), "parent": r[0].hex(), "idx": r[1], "tokens": r[2]} for k, r in self.rows.items()]
 
-    def load(self, key, deadline=None):
+    def load(self, key, deadline=None) -> tuple[dict | None, Miss | None]:
         if self.mode == "fail":
-            return None, "io: injected read error (EIO)"
+            return None, Miss("io", "injected read error (EIO)")
         if self.mode == "delay":
             time.sleep(self.delay_s)
             if deadline is not None and time.monotonic() > deadline:
-                return None, "timeout: the read deadline passed"
+                return None, Miss("timeout", "the read deadline passed")
         row = self.rows.get(key)
         if row is None:
-            return None, "missing: no segment row"
-        return {k: (p, _copy(d), pos) for k, (p, d, pos) in row[3].items()}, ""
+            return None, Miss("missing", "no segment row")
+        return {k: (p, _copy(d), pos) for k, (p, d, pos) in row[3].items()}, None
 
     def load_many(self, keys, deadline=None):
         return (self.load(key, deadline) for key in keys)
@@ -137,7 +138,7 @@ class MemoryTier:
     def flush(self) -> bool:
         return True  # every save is done when it returns
 
-    def take_failures(self) -> list:
+    def take_failures(self) -> list[tuple[bytes, Miss]]:
         return []  # a save reports its own failure
 
 

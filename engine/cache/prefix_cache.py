@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.cache.config import CacheConfig, Reuse
+from engine.cache.miss import Miss
 from engine.cache.gdn_state import GDNState, sketch, unsketch
 from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import group_of
@@ -82,24 +83,26 @@ def _parse_row(row: dict, block_size: int) -> tuple[bytes, bytes, int, list[int]
 class LowerTier(Protocol):
     """A slower tier behind the table (store.tier.DiskTier, store.write_behind.WriteBehind,
     faults.MemoryTier). Plain values only: a piece is (per_segment, data, position); failures come
-    back as values, (None, "kind: detail") or (False, "kind: detail"), never as exceptions.
+    back as values, (None, miss) or (False, miss), never as exceptions. A miss is a `Miss`
+    (miss.py) or the tier's own of its shape (store/ imports nothing of engine/): the cache reads
+    its `kind`, which it counts, and its str(), "kind: detail", which the event shows.
 
     The cache's obligations: it hands over pieces it will not change (the tier may keep them
     until written) and calls `flush` before it reports a turn saved; `take_failures` after a
     flush names the segments that did not reach the disk, which the cache then forgets."""
 
     def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
-             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> tuple[bool, str]:
-        """Merge `pieces` into what the tier holds for the segment: (True, "") or (False, why)."""
-    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, str]:
-        """One segment's pieces, verified, or (None, why) (also when `deadline` passed)."""
-    def load_many(self, keys: list[bytes], deadline: float | None = None) -> Iterator[tuple[dict | None, str]]:
+             pieces: dict[tuple[int, str], tuple[bool, object, int]]) -> tuple[bool, Miss | None]:
+        """Merge `pieces` into what the tier holds for the segment: (True, None) or (False, why)."""
+    def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, Miss | None]:
+        """(pieces, None): one segment's pieces, verified; or (None, why), also when `deadline` passed."""
+    def load_many(self, keys: list[bytes], deadline: float | None = None) -> Iterator[tuple[dict | None, Miss | None]]:
         """`load` of each key, in order, lazily: a tier may read them a query at a time."""
     def segments(self) -> list[dict]:
         """Every segment row as the tier holds it (key, parent, idx, tokens), damaged ones too."""
     def flush(self) -> bool:
         """Wait until every save handed over is written; False if that is not possible."""
-    def take_failures(self) -> list[tuple[bytes, str]]:
+    def take_failures(self) -> list[tuple[bytes, Miss]]:
         """The saves that failed since the last call, once each: (key, why)."""
 
 
@@ -167,7 +170,7 @@ class PrefixCache:
         if ok:
             self.persisted[rec.key] = rec.version
         else:
-            self.metrics.lower_failures["save: " + why.split(":", 1)[0]] += 1
+            self.metrics.lower_failures["save: " + why.kind] += 1
         return ok
 
     def _index_lower(self) -> None:
@@ -230,7 +233,7 @@ class PrefixCache:
             pieces, why = result
             if pieces is None:
                 reasons.append(f"lower tier: segment {node.index}: {why}; recomputed from there")
-                self.metrics.lower_failures[why.split(":", 1)[0]] += 1
+                self.metrics.lower_failures[why.kind] += 1
                 return
             device = self.model.device
             rec = self.table.put(node.key, node.index, self.layout,
@@ -256,7 +259,7 @@ class PrefixCache:
         """Segments a write-behind tier failed to write are neither in memory nor on disk: not hits."""
         for key, why in self.lower.take_failures() if self.lower is not None else ():
             self.persisted.pop(key, None)
-            self.metrics.lower_failures["save: " + why.split(":", 1)[0]] += 1
+            self.metrics.lower_failures["save: " + why.kind] += 1
             if key not in self.table:
                 self.index.remove(key)
 

@@ -19,6 +19,7 @@ from enum import Enum
 
 import torch
 
+from engine.cache.miss import Miss
 from engine.cache.prefix_index import MatchResult
 from engine.cache.recovery import route
 from engine.cache.replay import ReplayChoice, ReplayPolicy, Seeds, choose
@@ -51,7 +52,7 @@ class ReusePlan:
     usable_tokens: int  # what the validator lets compute start from
     keys: tuple[bytes, ...]  # the records the usable prefix is assembled from
     objects: tuple[ObjectPlan, ...]
-    failures: tuple[str, ...]  # validation layer failures, each "layer N: reason"
+    failures: tuple[Miss, ...]  # validation layer failures: kind "layer N", and what failed
     exact: bool = True
     granular_tokens: int = 0  # the most any plan could reuse: whole matched segments, one token left to compute
     notes: tuple[str, ...] = ()  # what is not a failure but explains the numbers (a partial last segment)
@@ -81,7 +82,7 @@ class ReusePlan:
             "replay_seed": self.replay_seed, "replay_seeded": list(self.replay_seeded),
             "objects": [{"kind": o.kind, "action": o.action.value, "tokens": list(o.tokens), "layers": list(o.layers),
                          "path": o.path, "reason": o.reason} for o in self.objects],
-            "failures": list(self.failures),
+            "failures": [str(f) for f in self.failures],
         }
 
 
@@ -132,7 +133,7 @@ class Validator:
 
     def plan(self, prompt_len: int, match: MatchResult, table: StateTable) -> ReusePlan:
         b = self.block_size
-        failures: list[str] = []
+        failures: list[Miss] = []
         notes: list[str] = []
         # reuse must leave at least one prompt token to compute: its logits start the answer
         n = n_asked = min(len(match.segments), (prompt_len - 1) // b)
@@ -140,7 +141,7 @@ class Validator:
             notes.append(f"tokens [{n * b}, {match.logical_tokens}) match only part of a segment (or the prompt's "
                          "last token); recomputed")
         if match.collisions:
-            failures.append(f"layer 1: {match.collisions} hash hit(s) rejected by token comparison")
+            failures.append(Miss("layer 1", f"{match.collisions} hash hit(s) rejected by token comparison"))
 
         records, keys = [], []
         unavailable = first_approximate = None
@@ -152,14 +153,14 @@ class Validator:
         for j, node in enumerate(match.segments[:n]):
             rec = get(node.key)
             if rec is None:
-                failures.append(f"layer 3: segment {j} has no state record")
+                failures.append(Miss("layer 3", f"segment {j} has no state record"))
                 unavailable = j
                 break
             if rec.layout != layout:
-                failures.append(f"layer 2: segment {j} was written under another layout fingerprint")
+                failures.append(Miss("layer 2", f"segment {j} was written under another layout fingerprint"))
                 break
             if not rec.exact and exact_only:
-                failures.append(f"layer 3: segment {j} holds approximate (tail-replayed) state; the policy is exact")
+                failures.append(Miss("layer 3", f"segment {j} holds approximate (tail-replayed) state; the policy is exact"))
                 break
             if complete is None and not need <= rec.pieces.keys():
                 complete = j
@@ -211,7 +212,7 @@ class Validator:
             r = route(kind)
             objects.append(ObjectPlan(kind, Action.RECOVER, (k * b, n * b), tuple(layers), r.path,
                                       f"{kind} missing for the matched prefix of {n * b} tokens; resume at {k * b}"))
-            failures.append(f"layer 3: {kind} missing in layers {layers}")
+            failures.append(Miss("layer 3", f"{kind} missing in layers {layers}"))
         if k:
             objects.insert(0, ObjectPlan(self._reuse_kinds, Action.REUSE, (0, k * b), self._all_layers))
         objects.append(ObjectPlan("all", Action.RECOMPUTE, (k * b, prompt_len), (), "prefill"))
@@ -302,7 +303,7 @@ class _Matched:
     records: list
     limit: int
     k: int
-    failures: list[str]
+    failures: list[Miss]
     notes: list[str]
     n_asked: int
 
