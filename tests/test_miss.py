@@ -29,6 +29,19 @@ def test_a_miss_reads_as_kind_colon_detail_on_both_sides_of_the_tier_interface()
     assert Miss("io", "disk: full").kind == "io"
 
 
+def test_last_lookup_is_the_event_the_latest_lookup_recorded():
+    model = _model()
+    cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=1))
+    assert cache.last_lookup is None
+    prompt = torch.randint(0, 263, (3 * B,), generator=torch.Generator().manual_seed(0)).tolist()
+    Engine(model, cache=cache).start(prompt).finish()
+    first = cache.last_lookup
+    assert first is cache.events[-1] and first.outcome == "miss"
+    cache.lookup(prompt + [1])
+    assert cache.last_lookup is cache.events[-1] and cache.last_lookup is not first
+    assert cache.last_lookup.plan.usable_tokens == 3 * B
+
+
 def test_a_validation_failure_is_counted_by_its_kind_and_shown_as_its_text():
     model = _model()
     cache = PrefixCache(model, CacheConfig(block_size=B, checkpoint_every=1))
@@ -38,7 +51,7 @@ def test_a_validation_failure_is_counted_by_its_kind_and_shown_as_its_text():
     plan, _, _ = cache.lookup(prompt + [1])
     assert plan.failures == (Miss("layer 3", "segment 0 has no state record"),)
     assert cache.metrics.validation_failures["layer 3"] == 1
-    assert cache.events[-1].reasons == ("layer 3: segment 0 has no state record",)
+    assert cache.last_lookup.reasons == ("layer 3: segment 0 has no state record",)
     assert plan.summary()["failures"] == ["layer 3: segment 0 has no state record"]
 
 
@@ -52,4 +65,4 @@ def test_a_lower_tier_miss_is_counted_by_its_kind_and_named_in_the_event():
     lower.mode = "fail"
     plan, _, _ = cache.lookup(prompt + [1])
     assert plan.usable_tokens == 0 and cache.metrics.lower_failures == {"io": 1}
-    assert "lower tier: segment 0: io: injected read error (EIO); recomputed from there" in cache.events[-1].reasons[-1]
+    assert "lower tier: segment 0: io: injected read error (EIO); recomputed from there" in cache.last_lookup.reasons[-1]

@@ -224,7 +224,7 @@ def run_drills(model, prompt_len: int = 96, block_size: int = 16, names: list[st
         engine.start(prompt).finish()
         damaged = DRILLS[name](cache, _records(cache, prompt))
         run = engine.start(probe)
-        event = cache.events[-1]
+        event = cache.last_lookup
         diff = (run.logits - cold).abs().max().item()
         paths = tuple(o.path for o in run.plan.objects if o.action.value == "recover")
         reports.append(DrillReport(name, damaged > 0, run.plan.logical_tokens, run.plan.usable_tokens,

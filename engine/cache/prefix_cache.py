@@ -1,7 +1,8 @@
 """PrefixCache: the one object the engine talks to for reuse.
 
-    lookup(prompt)  PrefixIndex.match (logical hit) -> Validator.plan (usable hit, ReusePlan)
-                    -> pin + version check -> assemble a ModelState (layer-4 buffer checks) -> event
+    lookup(prompt)  PrefixIndex.match (logical hit) -> fetch what only the lower tier holds
+                    -> Validator.plan (usable hit, ReusePlan) -> assemble a ModelState (assembly.py:
+                    pins, layer-4 buffer checks, version check) -> event (`last_lookup`)
     writer(plan)    a per-request recorder (writer.py) that stores each segment the request crosses
                     and keeps checkpoints only where they will be wanted
 
@@ -26,15 +27,15 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from engine.cache.assembly import Assembler
 from engine.cache.config import CacheConfig, Reuse
 from engine.cache.miss import Miss
-from engine.cache.gdn_state import GDNState, sketch, unsketch
 from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import SegmentRecord, StateTable
 from engine.cache.states import ModelState, Piece
-from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator, check_buffer
+from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator
 from engine.cache.writer import RequestWriter
 from engine.events import CacheLookup
 from engine.model.weights_digest import tensors_digest
@@ -142,6 +143,8 @@ class PrefixCache:
         self.validator = Validator(self.config.block_size, self.layout, reqs, self.config.replay_policy, warmup,
                                    replay_cost if self.config.exact_replay else None)
         self.metrics = CacheMetrics()
+        self.assembler = Assembler(model, self.table, self.template, self.template_pieces, self.config.block_size,
+                                   self.metrics)
         self.events: deque[CacheLookup] = deque(maxlen=1000)
         self.admission = AdmissionControl(self.config.max_pending_recoveries, self.config.recovery_budget_tokens)
         self.topology = topology_fingerprint(self.config.block_size, self.template_pieces)
@@ -306,7 +309,7 @@ class PrefixCache:
                 match = match._replace(segments=[])
             self._fetch(match.segments[:(len(tokens) - 1) // self.block_size], len(tokens), abandoned)
             plan = self.validator.plan(len(tokens), match, self.table)
-            state, why = self._restore(plan)
+            state, why = self.assembler.restore(plan, self.before_use)
             if state is not None:
                 break
             abandoned.append(why)
@@ -325,115 +328,19 @@ class PrefixCache:
         self.metrics.record(event)
         return plan, state.track_statistics(), ticket
 
+    @property
+    def last_lookup(self) -> CacheLookup | None:
+        """The event the latest lookup recorded (None before the first)."""
+        return self.events[-1] if self.events else None
+
     def _cold_plan(self, tokens: Sequence[int], match) -> ReusePlan:
         """A plan that reuses nothing although `match` was a hit: it counts as degraded."""
         plan = self.validator.plan(len(tokens), match._replace(segments=[]), self.table)
         return replace(plan, granular_tokens=min(len(match.segments), (len(tokens) - 1) // self.block_size)
                        * self.block_size)
 
-    def _restore(self, plan: ReusePlan) -> tuple[ModelState | None, str]:
-        """Assemble the plan's prefix. Returns (None, reason) when the plan went stale (a record
-        changed between check and use) or a buffer failed layer 4; the caller re-plans."""
-        if not plan.usable_tokens:
-            return self.model.new_state(), ""
-        keys = list(plan.keys)
-        self.table.pin(keys)  # from here to the end of assembly nothing can evict them
-        try:
-            records = [self.table.get(k) for k in keys]
-            for rec in records:
-                self.table.promote(rec, self.model.device)
-            versions = [r.version for r in records]
-            device = self.model.device  # (read once: a module attribute lookup per piece added up)
-            layers = []
-            fresh = self.model.new_state() if plan.replay_from is not None else None
-            for i, template in enumerate(self.template.layers):
-                if fresh is not None and "recurrent" in self.template_pieces[i]:
-                    # rebuilt by the replay, from zero; its statistics continue the recorded ones
-                    # (an exact replay from the start needs no statistics: a record may lack them)
-                    decay = [r.pieces[(i, "decay")].data for r in records] if all(
-                        (i, "decay") in r.pieces for r in records) else None
-                    fresh.layers[i].resume_stats(plan.usable_tokens, decay)
-                    if i in plan.replay_seeded:
-                        bad = self._seed(fresh.layers[i], i, records[plan.replay_seed // self.block_size - 1],
-                                         plan.replay_seed, device)
-                        if bad:
-                            return None, bad
-                    layers.append(fresh.layers[i])
-                    continue
-                replayed = plan.replay_from is not None and hasattr(template, "for_replay")
-                pieces = {}
-                for kind, tp in self.template_pieces[i].items():
-                    if replayed and not tp.per_segment:
-                        continue  # a window, tail or overlap: the replay rebuilds it
-                    owners = records if tp.per_segment else records[-1:]
-                    if kind in OPTIONAL_KINDS and not all((i, kind) in r.pieces for r in owners):
-                        pieces[kind] = None
-                        continue
-                    for rec in owners:
-                        piece = rec.pieces[(i, kind)]
-                        end = (rec.index + 1) * self.block_size
-                        if piece.position != end:
-                            bad, layer_no = f"describes position {piece.position}, not {end}", "layer 1"
-                        else:
-                            bad, layer_no = self._check(piece.data, tp.data, device), "layer 4"
-                        if bad:
-                            # a piece compute cannot take is treated as absent: drop it and re-plan
-                            self.table.drop(rec.key, lambda layer, k, p, key=(i, kind): (layer, k) == key)
-                            self.metrics.validation_failures[layer_no] += 1
-                            return None, f"{layer_no}: layer {i} {kind}: {bad}"
-                    datas = [r.pieces[(i, kind)].data for r in owners]
-                    pieces[kind] = datas if tp.per_segment else datas[0]
-                try:
-                    layers.append(template.for_replay(plan.replay_from, plan.usable_tokens, pieces) if replayed
-                                  else template.assemble(plan.usable_tokens, pieces))
-                except (RuntimeError, ValueError, IndexError, TypeError) as e:
-                    # pieces that passed each check but do not fit together: drop the boundary, re-plan
-                    self.table.drop(records[-1].key, lambda layer, k, p, li=i: layer == li and not p.per_segment)
-                    self.metrics.validation_failures["layer 4"] += 1
-                    return None, f"layer 4: layer {i} pieces do not assemble: {e}"
-            self.before_use(plan)
-            # one comparison covers assembly and the seam before use: any change since the check re-plans
-            if [r.version for r in records] != versions:
-                self.metrics.validation_failures["temporal"] += 1
-                return None, "a record changed between check and use"
-            for r in records:
-                self.table.touch(r)
-            return ModelState(layers, plan.usable_tokens), ""
-        finally:
-            self.table.unpin(keys)
-
-    def _seed(self, layer: GDNState, i: int, rec, position: int, device) -> str | None:
-        """Give layer i's fresh state the sketch `rec` holds of it to restart the replay from;
-        the reason (the piece dropped, so the re-plan restarts from zero) when it cannot."""
-        piece = rec.pieces.get((i, "sketch"))
-        if piece is None:
-            bad, layer_no = "is gone", "layer 3"
-        elif piece.position != position:
-            bad, layer_no = f"describes position {piece.position}, not {position}", "layer 1"
-        else:
-            bad, layer_no = self._check(piece.data, sketch(self.template.layers[i].recurrent), device), "layer 4"
-        if bad:
-            self.table.drop(rec.key, lambda lay, k, p: (lay, k) == (i, "sketch"))
-            self.metrics.validation_failures[layer_no] += 1
-            return f"{layer_no}: layer {i} sketch {bad}"
-        layer.seed = unsketch(piece.data)
-        return None
-
     def before_use(self, plan: ReusePlan) -> None:
         """Called after assembly, before the state is used; a seam for fault drills."""
-
-    def _check(self, data, template_data, device: torch.device) -> str | None:
-        tensors = data if isinstance(data, tuple) else (data,)
-        likes = template_data if isinstance(template_data, tuple) else (template_data,)
-        if len(tensors) != len(likes):
-            return f"{len(tensors)} parts, the state has {len(likes)}"
-        for t, like in zip(tensors, likes):
-            if not isinstance(t, torch.Tensor):
-                return f"a part is {type(t).__name__}, not a tensor"
-            why = check_buffer(t, like, device)
-            if why:
-                return why
-        return None
 
     def forget(self, plan: ReusePlan) -> None:
         """Drop every segment `plan` reused, from the table and the index (a hit that disagreed

@@ -1,6 +1,6 @@
 """Consistency rules the cache state machine may never violate (the other two live where they act:
-five-state routing in recovery.py, temporal consistency in PrefixCache._restore: pins for the
-whole check-to-use window, versions compared before use, a changed version re-plans).
+five-state routing in recovery.py, temporal consistency in assembly.py's `Assembler.restore`: pins
+for the whole check-to-use window, versions compared before use, a changed version re-plans).
 
 Admission cap: at most `max_pending` reuses whose plans still need recovery may be in flight, and
 their recovery work (tokens to recompute) stays within `recovery_budget_tokens`; beyond that a
