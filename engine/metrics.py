@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from engine.cache.validation import Action
 from engine.events import CacheLookup
 
 
@@ -30,7 +31,7 @@ class CacheMetrics:
 
     def record_recovery(self, plan, ms: float) -> None:
         for obj in plan.objects:
-            if obj.action.value == "recover":
+            if obj.action == Action.RECOVER:
                 self.recovery_ms.setdefault(obj.kind, Histogram()).add(ms)
 
     def record_shadow(self, max_diff: float, tolerance: float = 1e-4) -> bool:
@@ -52,7 +53,7 @@ class CacheMetrics:
         for failure in plan.failures:
             self.validation_failures[failure.kind] += 1
         for obj in plan.objects:
-            if obj.action.value == "recover":
+            if obj.action == Action.RECOVER:
                 self.recoveries[obj.kind] += 1
 
     def as_dict(self) -> dict:

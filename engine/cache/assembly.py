@@ -21,7 +21,7 @@ import torch
 from engine.cache.gdn_state import GDNState, sketch, unsketch
 from engine.cache.miss import Miss
 from engine.cache.state_table import SegmentRecord, StateTable
-from engine.cache.states import ModelState, Piece
+from engine.cache.states import Kind, ModelState, Piece
 from engine.cache.validation import OPTIONAL_KINDS, ReusePlan, check_buffer
 from engine.metrics import CacheMetrics
 
@@ -71,7 +71,7 @@ class Assembler:
         fresh = self.model.new_state() if plan.replay_from is not None else None
         layers = []
         for i, template in enumerate(self.template.layers):
-            if fresh is not None and "recurrent" in self.template_pieces[i]:
+            if fresh is not None and Kind.RECURRENT in self.template_pieces[i]:
                 layer, why = self._replayed_gdn(fresh.layers[i], i, plan, records, device)
             else:
                 layer, why = self._assembled(template, i, plan, records, device)
@@ -84,8 +84,8 @@ class Assembler:
                       device) -> tuple[GDNState | None, str]:
         """Layer i's fresh GDN state, for the replay to rebuild: its statistics continue the
         recorded ones (an exact replay from the start needs none: a record may lack them)."""
-        decay = [r.pieces[(i, "decay")].data for r in records] if all(
-            (i, "decay") in r.pieces for r in records) else None
+        decay = [r.pieces[(i, Kind.DECAY)].data for r in records] if all(
+            (i, Kind.DECAY) in r.pieces for r in records) else None
         layer.resume_stats(plan.usable_tokens, decay)
         if i in plan.replay_seeded:
             bad = self._seed(layer, i, records[plan.replay_seed // self.block_size - 1], plan.replay_seed, device)
@@ -96,11 +96,11 @@ class Assembler:
     def _seed(self, layer: GDNState, i: int, rec: SegmentRecord, position: int, device) -> str | None:
         """Give layer i's fresh state the sketch `rec` holds of it to restart the replay from;
         the reason (the piece dropped, so the re-plan restarts from zero) when it cannot."""
-        piece = rec.pieces.get((i, "sketch"))
+        piece = rec.pieces.get((i, Kind.SKETCH))
         miss = Miss("layer 3", "is gone") if piece is None else \
             self._verify(piece, position, sketch(self.template.layers[i].recurrent), device)
         if miss is not None:
-            self._drop(rec, i, "sketch", miss)
+            self._drop(rec, i, Kind.SKETCH, miss)
             return f"{miss.kind}: layer {i} sketch {miss.detail}"
         layer.seed = unsketch(piece.data)
         return None

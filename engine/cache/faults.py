@@ -18,6 +18,8 @@ from engine.cache.config import CacheConfig
 from engine.cache.miss import Miss
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.state_table import SegmentRecord
+from engine.cache.states import Kind
+from engine.cache.validation import Action
 
 
 def _records(cache: PrefixCache, tokens: list[int]) -> list[SegmentRecord]:
@@ -43,15 +45,15 @@ def _last_two(j: int, n: int) -> bool:
 
 
 def evict_compressed(cache, records):
-    return _drop(cache, records, {"compressed"}, _middle)
+    return _drop(cache, records, {Kind.COMPRESSED}, _middle)
 
 
 def drop_tail(cache, records):
-    return _drop(cache, records, {"tail", "index_tail"}, _last_two)
+    return _drop(cache, records, {Kind.TAIL, Kind.INDEX_TAIL}, _last_two)
 
 
 def expire_window(cache, records):
-    return _drop(cache, records, {"window"}, _last_two)
+    return _drop(cache, records, {Kind.WINDOW}, _last_two)
 
 
 def misalign_window(cache, records):
@@ -59,18 +61,18 @@ def misalign_window(cache, records):
     if len(records) < 2:
         return 0
     last, earlier = records[-1], records[-2]
-    moved = [k for k in last.pieces if k[1] == "window" and k in earlier.pieces]
+    moved = [k for k in last.pieces if k[1] == Kind.WINDOW and k in earlier.pieces]
     for key in moved:
         last.pieces[key] = earlier.pieces[key]
     return len(moved)
 
 
 def invalidate_indexer(cache, records):
-    return _drop(cache, records, {"index_keys"}, _middle)
+    return _drop(cache, records, {Kind.INDEX_KEYS}, _middle)
 
 
 def drop_gdn_checkpoint(cache, records):
-    return _drop(cache, records, {"recurrent", "conv"}, _last_two)
+    return _drop(cache, records, {Kind.RECURRENT, Kind.CONV}, _last_two)
 
 
 def corrupt_dtype(cache, records):
@@ -226,7 +228,7 @@ def run_drills(model, prompt_len: int = 96, block_size: int = 16, names: list[st
         run = engine.start(probe)
         event = cache.last_lookup
         diff = (run.logits - cold).abs().max().item()
-        paths = tuple(o.path for o in run.plan.objects if o.action.value == "recover")
+        paths = tuple(o.path for o in run.plan.objects if o.action == Action.RECOVER)
         reports.append(DrillReport(name, damaged > 0, run.plan.logical_tokens, run.plan.usable_tokens,
                                    run.plan.exact, diff, event.outcome, event.reasons, paths))
     return reports

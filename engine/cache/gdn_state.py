@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.states import Piece, StateObject, per_token, tensor_bytes
+from engine.cache.states import Kind, Piece, StateObject, per_token, tensor_bytes
 
 
 STAT_STRIDE = 16  # tokens per cached decay statistic: Tail-Replay restarts at multiples of it
@@ -143,11 +143,11 @@ class GDNState:
         held = self.conv.shape[-1]
         used = self.stats[:, :self.stats_end - self.stats_start]
         return [
-            StateObject(layer, "recurrent", tuple(self.recurrent.shape), False, (0, seq_len), tensor_bytes(self.recurrent)),
+            StateObject(layer, Kind.RECURRENT, tuple(self.recurrent.shape), False, (0, seq_len), tensor_bytes(self.recurrent)),
             # the conv window is the last K-1 inputs, but it only means something at exactly seq_len
-            StateObject(layer, "conv", tuple(self.conv.shape), False, (max(0, seq_len - held), seq_len),
+            StateObject(layer, Kind.CONV, tuple(self.conv.shape), False, (max(0, seq_len - held), seq_len),
                         tensor_bytes(self.conv)),
-            per_token(layer, "decay", used, self.stats_start),
+            per_token(layer, Kind.DECAY, used, self.stats_start),
         ]
 
     def export(self, lo: int, hi: int, snapshots: bool = True, sketches: bool = False) -> dict[str, Piece]:
@@ -161,16 +161,16 @@ class GDNState:
             stride = math.gcd(STAT_STRIDE, n) if n else 1
             seg = self.stats[:, lo - self.stats_start:hi - self.stats_start]
             seg = seg.reshape(seg.shape[0], n // stride, stride, *seg.shape[2:])
-            out["decay"] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1))
+            out[Kind.DECAY] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1))
             self._forget_stats_before(hi)
         if snapshots:
-            out["recurrent"] = Piece(False, self.recurrent.clone())
-            out["conv"] = Piece(False, self.conv.clone())
+            out[Kind.RECURRENT] = Piece(False, self.recurrent.clone())
+            out[Kind.CONV] = Piece(False, self.conv.clone())
         if sketches:
-            out["sketch"] = Piece(False, sketch(self.recurrent))
+            out[Kind.SKETCH] = Piece(False, sketch(self.recurrent))
         return out
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:
-        state = GDNState(conv=pieces["conv"].clone(), recurrent=pieces["recurrent"].clone())
-        state.resume_stats(seq_len, pieces.get("decay"))
+        state = GDNState(conv=pieces[Kind.CONV].clone(), recurrent=pieces[Kind.RECURRENT].clone())
+        state.resume_stats(seq_len, pieces.get(Kind.DECAY))
         return state

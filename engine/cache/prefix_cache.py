@@ -34,7 +34,7 @@ from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import group_of
 from engine.cache.rules import AdmissionControl, TopologyGuard, topology_fingerprint
 from engine.cache.state_table import SegmentRecord, StateTable
-from engine.cache.states import ModelState, Piece
+from engine.cache.states import Kind, ModelState, Piece
 from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator
 from engine.cache.writer import RequestWriter
 from engine.events import CacheLookup
@@ -134,11 +134,11 @@ class PrefixCache:
                 if kind not in OPTIONAL_KINDS]
         # a replay first runs this many tokens before its earliest GDN restart: the conv states'
         # inputs, and (V4-kind layers) a window and the open compressor windows to rebuild
-        warmup = max([p["conv"].data.shape[-1] for p in self.template_pieces if "conv" in p]
+        warmup = max([p[Kind.CONV].data.shape[-1] for p in self.template_pieces if Kind.CONV in p]
                      + [blk.mixer.replay_warmup for blk in model.layers if hasattr(blk.mixer, "replay_warmup")])
         replay_cost = self.config.exact_replay_cost
         if replay_cost is None:  # a replay runs the layers up to the last GDN one: at least the rest is saved
-            gdn = [i for i, pieces in enumerate(self.template_pieces) if "recurrent" in pieces]
+            gdn = [i for i, pieces in enumerate(self.template_pieces) if Kind.RECURRENT in pieces]
             replay_cost = (max(gdn) + 1) / len(self.template_pieces) if gdn else 1.0
         self.validator = Validator(self.config.block_size, self.layout, reqs, self.config.replay_policy, warmup,
                                    replay_cost if self.config.exact_replay else None)

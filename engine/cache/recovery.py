@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.cache.states import Kind
+
 
 @dataclass(frozen=True)
 class Route:
@@ -19,28 +21,28 @@ class Route:
 
 ROUTES: dict[str, Route] = {
     # GDN states are not token-addressable: resume at the nearest earlier checkpoint, replay from there
-    "recurrent": Route("replay from the nearest earlier checkpoint", False, "recurrent"),
-    "conv": Route("replay from the nearest earlier checkpoint", False, "recurrent"),
+    Kind.RECURRENT: Route("replay from the nearest earlier checkpoint", False, "recurrent"),
+    Kind.CONV: Route("replay from the nearest earlier checkpoint", False, "recurrent"),
     # per-token decay statistics (Tail-Replay's error bound): recompute the segments missing them
     # (only approximate plans need them: exact reuse goes on without; their own group, so a
     # recurrent-state budget never trims them)
-    "decay": Route("recompute from the first segment missing decay statistics", True, "statistics"),
+    Kind.DECAY: Route("recompute from the first segment missing decay statistics", True, "statistics"),
     # an int8 sketch of a GDN state (approximate plans only: it seeds a tail replay); when missing
     # the replay restarts from zero or the exact plan resumes at a checkpoint
-    "sketch": Route("replay from zero or from the nearest exact checkpoint", False, "recurrent"),
+    Kind.SKETCH: Route("replay from zero or from the nearest exact checkpoint", False, "recurrent"),
     # token-addressable KV: recompute the tokens of the first segment whose KV is gone
-    "kv": Route("recompute from the first segment missing KV", True, "full_kv"),
+    Kind.KV: Route("recompute from the first segment missing KV", True, "full_kv"),
     # compressed entries are rebuilt only from the layer's inputs, which are not kept: recompute
-    "compressed": Route("recompute from the first segment missing compressed entries", True, "compressed"),
+    Kind.COMPRESSED: Route("recompute from the first segment missing compressed entries", True, "compressed"),
     # the open window's raw tokens: resume at an earlier boundary and recompute the tail tokens
-    "tail": Route("recompute the uncompressed tail from an earlier boundary", False, "compressed"),
-    "overlap": Route("recompute the overlap window from an earlier boundary", False, "compressed"),
+    Kind.TAIL: Route("recompute the uncompressed tail from an earlier boundary", False, "compressed"),
+    Kind.OVERLAP: Route("recompute the overlap window from an earlier boundary", False, "compressed"),
     # the sliding window must be aligned to the resume point: redraw it at an earlier boundary
-    "window": Route("redraw the sliding window at an earlier boundary", False, "swa"),
+    Kind.WINDOW: Route("redraw the sliding window at an earlier boundary", False, "swa"),
     # indexer keys come from the compressed inputs, never from KV alone: recompute them
-    "index_keys": Route("recompute indexer keys from the first segment missing them", True, "indexer"),
-    "index_tail": Route("recompute the indexer tail from an earlier boundary", False, "indexer"),
-    "index_overlap": Route("recompute the indexer overlap from an earlier boundary", False, "indexer"),
+    Kind.INDEX_KEYS: Route("recompute indexer keys from the first segment missing them", True, "indexer"),
+    Kind.INDEX_TAIL: Route("recompute the indexer tail from an earlier boundary", False, "indexer"),
+    Kind.INDEX_OVERLAP: Route("recompute the indexer overlap from an earlier boundary", False, "indexer"),
     # a segment only the lower tier held: fetched with a deadline; failure, timeout or corruption
     # makes that range a miss, recomputed
     "on_disk": Route("fetch from the lower tier failed or timed out: recompute the range", True, "lower"),

@@ -34,6 +34,7 @@ class Kind(StrEnum):
     KV = "kv"
     CONV = "conv"
     RECURRENT = "recurrent"
+    DECAY = "decay"
     SKETCH = "sketch"
     WINDOW = "window"
     COMPRESSED = "compressed"
@@ -60,7 +61,7 @@ class StateObject:
     """
 
     layer: int
-    kind: str  # kv | conv | recurrent | window | compressed | tail | overlap | index_keys | index_tail | index_overlap
+    kind: str  # a Kind
     shape: tuple[int, ...]
     token_addressable: bool
     tokens: tuple[int, int]  # [lo, hi): the token positions this object's content derives from

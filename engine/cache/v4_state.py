@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.states import COMPRESSOR_KINDS, Piece, StateObject, clone_tree, per_token, tensor_bytes
+from engine.cache.states import COMPRESSOR_KINDS, Kind, Piece, StateObject, clone_tree, per_token, tensor_bytes
 
 
 
@@ -26,13 +26,13 @@ class WindowState:
         return tensor_bytes(self.kv)
 
     def objects(self, layer: int, seq_len: int) -> list[StateObject]:
-        return [per_token(layer, "window", self.kv, self.start)]
+        return [per_token(layer, Kind.WINDOW, self.kv, self.start)]
 
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
-        return {"window": Piece(False, self.kv.clone())} if snapshots else {}
+        return {Kind.WINDOW: Piece(False, self.kv.clone())} if snapshots else {}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> WindowState:
-        return WindowState(pieces["window"].clone(), seq_len)
+        return WindowState(pieces[Kind.WINDOW].clone(), seq_len)
 
 
 @dataclass

@@ -19,11 +19,13 @@ from enum import Enum
 
 import torch
 
+from engine.cache.config import Reuse
 from engine.cache.miss import Miss
 from engine.cache.prefix_index import MatchResult
 from engine.cache.recovery import route
 from engine.cache.replay import ReplayChoice, ReplayPolicy, Seeds, choose
 from engine.cache.state_table import StateTable
+from engine.cache.states import Kind
 
 ALIGNMENT = 16  # bytes: what vectorised CPU and GPU loads expect of a buffer's base address
 
@@ -86,13 +88,13 @@ class ReusePlan:
         }
 
 
-GDN_KINDS = frozenset({"recurrent", "conv"})
+GDN_KINDS = frozenset({Kind.RECURRENT, Kind.CONV})
 # boundary snapshots of the last few tokens before a boundary (V4-kind layers): a Tail-Replay
 # rebuilds them from the tokens it runs, beside the GDN states, and reads the exact compressed
 # entries and indexer keys from the cache (engine.model.v4_attention)
-REBUILT_BY_REPLAY = frozenset({"window", "tail", "overlap", "index_tail", "index_overlap"})
+REBUILT_BY_REPLAY = frozenset({Kind.WINDOW, Kind.TAIL, Kind.OVERLAP, Kind.INDEX_TAIL, Kind.INDEX_OVERLAP})
 # statistics and int8 sketches of GDN states: only an approximate plan reads them, never a requirement
-OPTIONAL_KINDS = frozenset({"decay", "sketch"})
+OPTIONAL_KINDS = frozenset({Kind.DECAY, Kind.SKETCH})
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class Validator:
         # holding all of them) is one set inclusion, the per-kind search runs only past a gap
         per_segment, need = self._per_segment, self._need
         complete = None
-        get, layout, exact_only = table.records.get, self.layout, self.policy.mode == "exact"
+        get, layout, exact_only = table.records.get, self.layout, self.policy.mode == Reuse.EXACT
         for j, node in enumerate(match.segments[:n]):
             rec = get(node.key)
             if rec is None:
@@ -182,12 +184,12 @@ class Validator:
         while k > 0 and not snapshots <= records[k - 1].pieces.keys():
             k -= 1
 
-        if self.policy.mode == "approximate" and self.replayable and k < limit:
+        if self.policy.mode == Reuse.APPROXIMATE and self.replayable and k < limit:
             approximate = not all(r.exact for r in records[:limit])
             plan = self._tail_replay(_Matched(prompt_len, match, records, limit, k, failures, notes, n_asked), approximate)
             if plan is not None:
                 return plan
-        elif (self.policy.mode == "exact" and self.exact_replayable and k < limit and self.exact_replay_cost is not None
+        elif (self.policy.mode == Reuse.EXACT and self.exact_replayable and k < limit and self.exact_replay_cost is not None
               and self.exact_replay_cost * limit < limit - k):
             # no checkpoint near the end of the match: replaying the GDN layers from the prefix
             # start over the cached KV is exact and costs less than recomputing from the checkpoint
@@ -228,9 +230,9 @@ class Validator:
         b, records, limit, k = self.block_size, m.records, m.limit, m.k
         end = limit * b
         gdn_layers = self._gdn_layers
-        if any(not all((layer, "decay") in r.pieces for r in records[:limit]) for layer in gdn_layers):
+        if any(not all((layer, Kind.DECAY) in r.pieces for r in records[:limit]) for layer in gdn_layers):
             return None  # no statistics to certify a replay with
-        decay = {layer: torch.cat([r.pieces[(layer, "decay")].data for r in records[:limit]], dim=1)
+        decay = {layer: torch.cat([r.pieces[(layer, Kind.DECAY)].data for r in records[:limit]], dim=1)
                  for layer in gdn_layers}
         first = next(iter(decay.values()))
         stride = b // max(1, first.shape[1] // limit) if limit else 1
@@ -246,12 +248,12 @@ class Validator:
         b, gdn_layers = self.block_size, self._gdn_layers
         lowest = self.policy.earliest_restart(limit * b, self.replay_warmup)
         at = [j for j in range(max(0, lowest // b - 1), limit)
-              if (j + 1) * b >= lowest and all(_sketch_fits(records[j].pieces.get((layer, "sketch")), shape)
+              if (j + 1) * b >= lowest and all(_sketch_fits(records[j].pieces.get((layer, Kind.SKETCH)), shape)
                                                for layer in gdn_layers)]
         if not at:
             return None
         return Seeds(tuple((j + 1) * b for j in at),
-                     {layer: torch.stack([records[j].pieces[(layer, "sketch")].data[2] for j in at], dim=1)
+                     {layer: torch.stack([records[j].pieces[(layer, Kind.SKETCH)].data[2] for j in at], dim=1)
                       for layer in gdn_layers})
 
     def _replay_plan(self, m: _Matched, pick: ReplayChoice, exact: bool) -> ReusePlan:
@@ -276,14 +278,14 @@ class Validator:
                        else f"the nearest GDN checkpoint, at {k * b}, leaves more to recompute than this replay"),
             ObjectPlan("all", Action.RECOMPUTE, (end, m.prompt_len), (), "prefill"),
         )
-        cap = self.policy.tokens(end) if self.policy.mode == "approximate" else None
+        cap = self.policy.tokens(end) if self.policy.mode == Reuse.APPROXIMATE else None
         if set(replayed) - GDN_KINDS:
             notes = notes + [f"{', '.join(k for k in replayed if k not in GDN_KINDS)} rebuilt by the same replay; "
                              "compressed entries read exact from the cache"]
         notes = notes + [f"GDN states rebuilt by replaying tokens [{pick.begin}, {end})"
                          + (f" (budget {cap} tokens)" if cap is not None else "")
                          + (" (exact policy: cheaper than recomputing from the nearest checkpoint)"
-                            if self.policy.mode == "exact" else "")
+                            if self.policy.mode == Reuse.EXACT else "")
                          + (f"; per-layer restarts {dict(pick.starts)}" if self.policy.adaptive else "")]
         return ReusePlan(m.prompt_len, m.match.logical_tokens, len(records) * b, end,
                          tuple(r.key for r in records[:limit]), objects, tuple(m.failures), exact=exact,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from engine.cache.config import Reuse
 from engine.cache.gdn_state import GDNState
 from engine.cache.prefix_index import ROOT
-from engine.cache.states import ModelState
+from engine.cache.states import Kind, ModelState
 from engine.cache.validation import ReusePlan
 
 if TYPE_CHECKING:
@@ -128,11 +128,11 @@ class RequestWriter:
         for key, j, added in self.captured:
             end = (j + 1) * self.cache.block_size
             if not (key in keep or (j + 1) % every == 0 or (self.tail and tail_from <= end < self.prompt_end)):
-                self.cache.table.drop(key, lambda layer, kind, piece: (layer, kind) in added and kind != "sketch")
+                self.cache.table.drop(key, lambda layer, kind, piece: (layer, kind) in added and kind != Kind.SKETCH)
             # a sketch beside an exact checkpoint (ours or another request's) would never be read
             rec = self.cache.table.get(key) if cfg.sketch_every else None
             if rec is not None:
-                exact = {layer for (layer, kind) in rec.pieces if kind == "recurrent"}
-                self.cache.table.drop(key, lambda layer, kind, piece: kind == "sketch" and layer in exact)
+                exact = {layer for (layer, kind) in rec.pieces if kind == Kind.RECURRENT}
+                self.cache.table.drop(key, lambda layer, kind, piece: kind == Kind.SKETCH and layer in exact)
         # the end of every turn: what was answered is on the lower tier before the next one
         self.cache.save()
