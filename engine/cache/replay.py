@@ -17,9 +17,8 @@ prod(...), so |E|_F <= err_p * exp(sum g), err_p the sketch's exact error: `Seed
 caveat holds, and matters more because the bound is tight: it certifies the first GDN layer;
 deeper layers see inputs that the layers below perturb (after p by their sketch errors; before p
 the warm-up tokens run them from zero, so their conv states at p come from approximate
-activations), and their measured errors can exceed their bound a few-fold (2-6x on a random
-long-memory model). Storing the conv state beside the sketch and starting at p without a warm-up
-would remove the second part.
+activations), and their measured errors can exceed their bound a few-fold. Storing the conv
+state beside the sketch and starting at p without a warm-up would remove the second part.
 """
 
 from __future__ import annotations
