@@ -208,7 +208,7 @@ class Engine:
         lookup = None
         if state is None and self.cache is not None:
             plan, state, ticket = self.cache.lookup(fed)
-            lookup = self.cache.events[-1]  # the event this lookup recorded (same thread, just now)
+            lookup = self.cache.last_lookup  # the event this lookup recorded (same thread, just now)
             writer = self.cache.writer(plan, ticket)
         state = state or self.new_state()
         started = Started(None, state, fed, writer, plan, lookup)

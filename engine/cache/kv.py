@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.states import Piece, StateObject
+from engine.cache.states import Kind, Piece, StateObject
 
 
 @dataclass
@@ -67,16 +67,16 @@ class KVState:
 
     def objects(self, layer: int, seq_len: int) -> list[StateObject]:
         shape = (2, self.k.shape[0], self.k.shape[1], self.length, self.k.shape[3])
-        return [StateObject(layer, "kv", shape, True, (0, self.length), self.nbytes(), self.length)]
+        return [StateObject(layer, Kind.KV, shape, True, (0, self.length), self.nbytes(), self.length)]
 
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
-        return {"kv": Piece(True, (self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone()))}
+        return {Kind.KV: Piece(True, (self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone()))}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> KVState:
         """One buffer per tensor with room past seq_len (an eighth more, at least 256 positions) for
         the request's new tokens: appending to an exact-size buffer would copy every restored key
         and value again."""
-        parts = pieces["kv"]
+        parts = pieces[Kind.KV]
         held = sum(p[0].shape[2] for p in parts)
         if held != seq_len:  # (cat into a view of the wrong length would scramble it, not fail)
             raise ValueError(f"the pieces hold {held} positions, not {seq_len}")
@@ -197,10 +197,10 @@ class PagedKVState:
 
     def objects(self, layer: int, seq_len: int) -> list[StateObject]:
         shape = (2, self.batch, self.k_pool.shape[1], self.length, self.k_pool.shape[3])
-        return [StateObject(layer, "kv", shape, True, (0, self.length), self.nbytes(), self.length)]
+        return [StateObject(layer, Kind.KV, shape, True, (0, self.length), self.nbytes(), self.length)]
 
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
-        return {"kv": Piece(True, self._dense(lo, hi))}
+        return {Kind.KV: Piece(True, self._dense(lo, hi))}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> PagedKVState:
         """A state holding the pieces' first seq_len positions, written into its pool's blocks at
@@ -212,7 +212,7 @@ class PagedKVState:
         m = -(-seq_len // PAGE)
         ids = state.table[:, :m].flatten().clone()
         for pool, i in ((state.k_pool, 0), (state.v_pool, 1)):
-            run = torch.cat([p[i] for p in pieces["kv"]], dim=2)[:, :, :seq_len]
+            run = torch.cat([p[i] for p in pieces[Kind.KV]], dim=2)[:, :, :seq_len]
             if seq_len % PAGE:  # the last block's unused positions: never read (lengths stops before them)
                 run = torch.cat([run, run.new_zeros(b, heads, m * PAGE - seq_len, d)], dim=2)
             blocks = run.reshape(b, heads, m, PAGE, d).transpose(1, 2).reshape(b * m, heads, PAGE, d)
