@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.cache.kv import kv_layout
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.states import ModelState
 from engine.cache.validation import ReusePlan
@@ -93,6 +94,10 @@ class Engine:
         # the kernel choice is the process's and the KV layout the model's: an engine that names one sets it
         dispatch.select(self.config.kernels, self.config.native)
         if self.config.kv_layout is not None:
+            if cache is not None and cache.kv_layout != kv_layout(self.config.kv_layout, model.device):
+                raise ValueError(f"the cache assembles {cache.kv_layout} KV states and the engine asks for "
+                                 f"{self.config.kv_layout}: set the layout on the model before making its cache "
+                                 "(EngineConfig.bind)")
             model.use_kv_layout(self.config.kv_layout)
         # a captured decode's fused buffers are not the arithmetic the deterministic prefill's
         # single-token steps take, so bit-exact mode decodes as usual
@@ -120,11 +125,14 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
-                on_stop: Callable[[ModelState], None] | None = None,
-                next_stop: Callable[[int], int] | None = None,
+                on_stop: Callable[[ModelState, int], None] | None = None,
+                stops: Callable[[int, int], list[int]] | None = None,
                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run `ids` through the model in chunks, advancing `state`; return the last token's logits.
-        With `next_stop`, chunks also end at each position it names, where `on_stop` is called.
+        With `stops` (the positions in (lo, hi] a chunk crosses where the caller wants the state),
+        `on_stop(state, position)` is called after the chunk for each: a state that keeps
+        snapshots inside a forward pass (ModelState.snapshots_inside) keeps them there, so the
+        chunks are the ones a prefill without stops runs; any other ends a chunk at each stop.
         `should_stop` is asked before every chunk after the first: True raises Cancelled (the
         state then covers the chunks run so far)."""
         if len(ids) == 0:
@@ -139,12 +147,17 @@ class Engine:
             if lo and should_stop is not None and should_stop():
                 raise Cancelled
             hi = min(lo + chunk, len(tokens))
-            stop = next_stop(state.seq_len) if next_stop is not None else None
-            if stop is not None:
-                hi = min(hi, lo + stop - state.seq_len)
+            at = stops(state.seq_len, state.seq_len + hi - lo) if stops is not None else []
+            if at and not state.snapshots_inside:  # end the chunk at the first stop instead
+                at = at[:1]
+                hi = lo + at[0] - state.seq_len
+            end = state.seq_len + hi - lo
+            state.mark([p for p in at if p < end])
             logits = self.model(tokens[lo:hi], state, last_only=True)
-            if stop is not None and state.seq_len == stop:
-                on_stop(state)
+            for p in at:
+                on_stop(state, p)
+            if at:
+                state.mark()  # the kept snapshots are in the cache now
             lo = hi
         return logits[0, -1]
 
@@ -233,7 +246,7 @@ class Engine:
 
     def _recover_and_prefill(self, started: Started, should_stop: Callable[[], bool] | None) -> None:
         fed, state, writer, plan = started.fed, started.state, started.writer, started.plan
-        stops = writer.next_stop
+        stops = writer.stops
         if plan.replay_from is not None:
             t0 = time.perf_counter()
             self.replay(fed[plan.replay_from:plan.usable_tokens], state, plan.replay_from, dict(plan.replay_starts))
@@ -244,10 +257,10 @@ class Engine:
         if state.seq_len < recover_to:
             # the recovery work, timed on its own: recompute what a missing state kind cost us
             t0 = time.perf_counter()
-            self.prefill(fed[state.seq_len:recover_to], state, on_stop=started.capture, next_stop=stops,
+            self.prefill(fed[state.seq_len:recover_to], state, on_stop=started.capture, stops=stops,
                          should_stop=should_stop)
             self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
-        started.logits = self.prefill(fed[state.seq_len:], state, on_stop=started.capture, next_stop=stops,
+        started.logits = self.prefill(fed[state.seq_len:], state, on_stop=started.capture, stops=stops,
                                       should_stop=should_stop)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -317,9 +330,9 @@ class Started:
     plan: ReusePlan | None
     lookup: CacheLookup | None = None
 
-    def capture(self, state: ModelState) -> None:
+    def capture(self, state: ModelState, at: int | None = None) -> None:
         if self.writer is not None:
-            self.writer.capture(state, self.fed)
+            self.writer.capture(state, self.fed, at)
 
     def finish(self) -> None:
         if self.writer is not None:

@@ -5,7 +5,7 @@ variables onto it, and no library code reads them itself."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,6 +49,14 @@ class EngineConfig:
         for name, choices in (("kv_layout", KV_LAYOUTS), ("kernels", KERNEL_CHOICES), ("native", NATIVE_CHOICES)):
             if getattr(self, name) not in (None, *choices):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; one of {', '.join(choices)}")
+
+    def bind(self, model) -> EngineConfig:
+        """This config for a loaded model: its KV layout set on the model (before a cache is made
+        for it: a PrefixCache assembles states of the layout its model had), dtype and device
+        the model's."""
+        if self.kv_layout is not None:
+            model.use_kv_layout(self.kv_layout)
+        return replace(self, dtype=model.dtype, device=str(model.device))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **given) -> EngineConfig:

@@ -5,7 +5,8 @@ the int8 sketches an approximate replay may restart from."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -56,6 +57,17 @@ class GDNState:
     step_norm: torch.Tensor = None  # [B, Hv] float64: N after the static step, `norm` once committed
     # a Tail-Replay seeded by a sketch: the recurrent state its restart takes (else zero), once
     seed: torch.Tensor = None
+    # boundary snapshots inside a forward pass (the prefix cache's checkpoints, without stopping
+    # the prefill there): the positions the next forward keeps (recurrent, conv) at, and those kept
+    marks: tuple[int, ...] = ()
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    snapshots_inside: ClassVar[bool] = True
+
+    def mark(self, positions: tuple[int, ...]) -> None:
+        """Keep the state at these positions during the next forward pass (what was kept before is
+        dropped)."""
+        self.marks, self.kept = tuple(positions), {}
 
     def __post_init__(self) -> None:
         b, heads = self.recurrent.shape[:2]
@@ -152,7 +164,8 @@ class GDNState:
 
     def export(self, lo: int, hi: int, snapshots: bool = True, sketches: bool = False) -> dict[str, Piece]:
         """`sketches`: an int8 sketch of the recurrent state at hi too (a snapshot: needs the
-        state at hi), which only seeds an approximate replay."""
+        state at hi), which only seeds an approximate replay. Snapshots describe hi: the state's
+        own position, or one the last forward pass was asked to keep (`mark`)."""
         out = {}
         if self.stats_start <= lo and hi <= self.stats_end:
             # per group of `stride` tokens: the summed log-decay and N at the group's end, which is
@@ -163,11 +176,12 @@ class GDNState:
             seg = seg.reshape(seg.shape[0], n // stride, stride, *seg.shape[2:])
             out[Kind.DECAY] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1))
             self._forget_stats_before(hi)
+        recurrent, conv = self.kept.get(hi, (self.recurrent, self.conv))  # at hi: kept inside, or the state's own
         if snapshots:
-            out[Kind.RECURRENT] = Piece(False, self.recurrent.clone())
-            out[Kind.CONV] = Piece(False, self.conv.clone())
+            out[Kind.RECURRENT] = Piece(False, recurrent.clone())
+            out[Kind.CONV] = Piece(False, conv.clone())
         if sketches:
-            out[Kind.SKETCH] = Piece(False, sketch(self.recurrent))
+            out[Kind.SKETCH] = Piece(False, sketch(recurrent))
         return out
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:

@@ -5,6 +5,7 @@ layout); `kv_layout` picks one (EngineConfig.kv_layout)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -18,6 +19,11 @@ class KVState:
     k: torch.Tensor  # [B, Hkv, capacity, D]
     v: torch.Tensor  # [B, Hkv, capacity, D]
     length: int = 0
+
+    snapshots_inside: ClassVar[bool] = True  # every piece is a slice by position: nothing to keep
+
+    def mark(self, positions: tuple[int, ...]) -> None:
+        """(ModelState.mark: a KV state needs no snapshots kept during a forward pass.)"""
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 256) -> KVState:
@@ -100,6 +106,8 @@ def kv_layout(choice: str, device) -> str:
     buffer."""
     if choice == "auto":
         return "paged" if torch.device(device).type == "cuda" else "dense"
+    if choice not in ("dense", "paged"):
+        raise ValueError(f"KV layout {choice!r}; one of auto, dense, paged")
     return choice
 
 
@@ -119,6 +127,11 @@ class PagedKVState:
     lengths: torch.Tensor  # [B] int32: positions held, the same for every sequence
     length: int = 0
     at: torch.Tensor | None = None  # static decode (engine/static_decode.py): the new token's position, [1] long
+
+    snapshots_inside: ClassVar[bool] = True  # every piece is a slice by position: nothing to keep
+
+    def mark(self, positions: tuple[int, ...]) -> None:
+        """(ModelState.mark: a KV state needs no snapshots kept during a forward pass.)"""
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 256) -> PagedKVState:

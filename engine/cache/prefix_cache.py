@@ -29,6 +29,7 @@ import torch
 
 from engine.cache.assembly import Assembler
 from engine.cache.config import CacheConfig, Reuse
+from engine.cache.kv import PagedKVState
 from engine.cache.miss import Miss
 from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import group_of
@@ -123,6 +124,8 @@ class PrefixCache:
         self.persisted: dict[bytes, int] = {}  # key -> record version last saved to the lower tier
         self.model = model
         self.template = model.new_state()
+        # the layout of the states it assembles: its model's when it was made
+        self.kv_layout = "paged" if any(isinstance(s, PagedKVState) for s in self.template.layers) else "dense"
         self.layout = layout_fingerprint(model, self.config)
         self.index = PrefixIndex(self.config.block_size, self.layout)
         self.table = StateTable(self.config.budget_bytes, self.config.host_budget_bytes,

@@ -103,8 +103,13 @@ class LayerState(Protocol):
     def objects(self, layer: int, seq_len: int) -> list[StateObject]: ...
     def nbytes(self) -> int: ...
     # copies of this state's pieces for the segment [lo, hi): its per-segment slices, and, when
-    # `snapshots`, the snapshots (which describe the state's current seq_len, so it must be hi)
+    # `snapshots`, the snapshots at hi (the state's current seq_len, or a position `mark`ed for
+    # the forward pass that just ran)
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]: ...
+    # whether the state can keep its snapshots at positions inside a forward pass, and `mark`,
+    # which names those positions for the next forward pass
+    snapshots_inside: bool
+    def mark(self, positions: tuple[int, ...]) -> None: ...
     # a new state at seq_len from pieces (per-segment kinds: a list in segment order), with this
     # (fresh) state as the template for shapes, dtypes and rates
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> LayerState: ...
@@ -145,6 +150,17 @@ class ModelState:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers)
+
+    @property
+    def snapshots_inside(self) -> bool:
+        """Every layer keeps its snapshots at positions inside a forward pass (see `mark`)."""
+        return all(layer.snapshots_inside for layer in self.layers)
+
+    def mark(self, positions=()) -> None:
+        """The positions inside the next forward pass at which each layer keeps its snapshots,
+        for `export` afterwards (no positions: what was kept is dropped)."""
+        for layer in self.layers:
+            layer.mark(tuple(positions))
 
     def objects(self) -> list[StateObject]:
         return [obj for i, s in enumerate(self.layers) for obj in s.objects(i, self.seq_len)]

@@ -4,6 +4,7 @@ tail, the overlap) and the indexer's keys (V4AttnState holds one layer's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -113,6 +114,14 @@ class V4AttnState:
     # Tail-Replay: while positions before replay_end run again, the compressed entries (exact,
     # from the cache) are read, never appended; the window, tails and overlaps are rebuilt
     replay_end: int | None = None
+
+    # the window, the open tails and the overlap at an inner position are not kept yet: a prefill
+    # over a V4 layer still ends a chunk at each boundary whose snapshots the cache keeps
+    snapshots_inside: ClassVar[bool] = False
+
+    def mark(self, positions: tuple[int, ...]) -> None:
+        if positions:
+            raise ValueError("a DeepSeek-V4 layer cannot keep snapshots inside a forward pass")
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in (self.window, self.compressor, self.indexer) if s is not None)

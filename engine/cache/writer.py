@@ -39,20 +39,30 @@ class RequestWriter:
         cfg = cache.config
         self.tail = cfg.checkpoint_tail if self.prompt_end - plan.usable_tokens >= cfg.checkpoint_tail_min else 0
         self.sketch_every = cfg.sketch_every if self.exact else 0  # (a sketch of an approximate state: no)
+        self.branch_asked = False  # the branch point's stop was given (`stops`)
 
-    def next_stop(self, seq_len: int) -> int:
-        """The next boundary after seq_len whose snapshots this request will keep: the branch
-        point (its first boundary), every K-th segment, each of the last `checkpoint_tail`
-        boundaries before the prompt's end (when this request computes at least
-        `checkpoint_tail_min` prompt tokens), and that end. Prefill runs in chunks up to these
-        stops only; segments in between get their per-segment pieces when the next stop is reached."""
+    def stops(self, seq_len: int, end: int) -> list[int]:
+        """The boundaries in (seq_len, end] whose snapshots this request will keep, in order: the
+        branch point (the first boundary it crosses), every K-th segment, each of the last
+        `checkpoint_tail` boundaries before the prompt's end (when this request computes at least
+        `checkpoint_tail_min` prompt tokens), and that end. The engine captures each: inside a
+        forward pass where the state can keep snapshots there (ModelState.mark), else by ending a
+        chunk at it; segments in between get their per-segment pieces at the next stop."""
+        out = []
+        while (stop := self._next_stop(seq_len)) <= end:
+            out.append(stop)
+            self.branch_asked = True
+            seq_len = stop
+        return out
+
+    def _next_stop(self, seq_len: int) -> int:
         cfg = self.cache.config
         b, every = self.cache.block_size, cfg.checkpoint_every
         nxt = (seq_len // b + 1) * b
         stops = [(seq_len // (b * every) + 1) * b * every]
         if self.sketch_every:
             stops.append((seq_len // (b * self.sketch_every) + 1) * b * self.sketch_every)
-        if self.first is None and cfg.checkpoint_branch_point:
+        if not self.branch_asked and cfg.checkpoint_branch_point:
             stops.append(nxt)
         if self.prompt_end > seq_len:
             stops.append(self.prompt_end)
@@ -60,13 +70,14 @@ class RequestWriter:
                 stops.append(max(nxt, self.prompt_end - self.tail * b))
         return min(stops)
 
-    def capture(self, state: ModelState, tokens: Sequence[int]) -> None:
-        """Register every whole segment up to state.seq_len (a multiple of the block size): each
-        with its per-segment pieces, the last one also with the state's snapshots."""
+    def capture(self, state: ModelState, tokens: Sequence[int], at: int | None = None) -> None:
+        """Register every whole segment up to `at` (default state.seq_len; a multiple of the block
+        size, and a position the last forward pass kept snapshots at when below seq_len): each
+        with its per-segment pieces, the last one also with the state's snapshots there."""
         if self.cache.config.reuse == Reuse.OFF or self.next_index < 0:
             return
         b = self.cache.block_size
-        hi = state.seq_len
+        hi = state.seq_len if at is None else at
         last = hi // b - 1
         while 0 <= self.next_index <= last:
             j = self.next_index

@@ -19,7 +19,7 @@ from engine.model.derived import derived
 from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
 from engine.model.norm import GatedRMSNorm, as_dtype, as_float, constant, normalized
-from kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from kernels.gated_delta import chunk_gated_delta, chunk_gated_delta_at, recurrent_gated_delta
 from kernels.native import gdn_decode as native_decode
 
 L2_EPS = 1e-6  # inside the root, as the Gated DeltaNet checkpoints were trained with
@@ -56,6 +56,9 @@ class GatedDeltaNet(nn.Module):
         if t == 1 and state is not None and not state.static and native_decode.applies(proj, state.conv, state.recurrent):
             return self._native_step(proj, state, start)
         qkv, z, b_in, a_in = self.in_proj.split(proj)
+        # positions strictly inside this pass at which the cache wants the state (GDNState.mark)
+        cuts = [p - start for p in state.marks if start < p < start + t] if state is not None and t > 1 else []
+        history = state.conv if cuts else None  # the conv inputs before this pass, for the kept conv states
         mixed = self._conv(qkv, state)  # [B, T, C]
         qk, v = mixed.split([2 * self.n_k * self.dk, self.n_v * self.dv], -1)
         qk = _l2norm(qk.reshape(b, t, 2 * self.n_k, self.dk))  # q and k heads normalised in one pass
@@ -69,6 +72,9 @@ class GatedDeltaNet(nn.Module):
         initial = None if state is None else state.recurrent
         if t == 1 and state is not None:
             o, final = recurrent_gated_delta(q, k, v, g, beta, initial)
+        elif cuts:
+            o, final, inner = chunk_gated_delta_at(q, k, v, g, beta, initial, cuts)
+            self._keep(state, start, cuts, inner, history, qkv)
         else:
             o, final = chunk_gated_delta(q, k, v, g, beta, initial)
         if state is not None:
@@ -78,6 +84,14 @@ class GatedDeltaNet(nn.Module):
                 state.recurrent = final
         o = self.norm(o, z.reshape(b, t, self.n_v, self.dv)).reshape(b, t, -1)
         return self.out_proj(o)
+
+    def _keep(self, state: GDNState, start: int, cuts: list[int], inner: list[torch.Tensor],
+              history: torch.Tensor, qkv: torch.Tensor) -> None:
+        """The state after each cut as a pass ending there would leave it: the rule's state, and
+        the conv window of the K-1 inputs before the cut (from before this pass, then this pass's)."""
+        inputs = torch.cat([as_dtype(history.transpose(1, 2), qkv.dtype), qkv], dim=1)  # [B, K-1+T, C]
+        for c, recurrent in zip(cuts, inner):
+            state.kept[start + c] = (recurrent, inputs[:, c:c + self.kernel - 1].transpose(1, 2).contiguous())
 
     def _native_step(self, proj: torch.Tensor, state: GDNState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/gdn_decode.c: the same arithmetic as the torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.kv import KVState, PagedKVState
+from engine.cache.kv import KVState, PagedKVState, kv_layout
 
 from engine.cache.states import ModelState
 from engine.config import V4_KINDS, ModelConfig
@@ -116,6 +116,7 @@ class HybridModel(nn.Module):
 
     def use_kv_layout(self, choice: str) -> None:
         """How the full-attention layers' states made from now on keep KV (EngineConfig.kv_layout)."""
+        kv_layout(choice, self.device)  # refuses a name that is no layout
         for blk in self.layers:
             if isinstance(blk.mixer, GatedAttention):
                 blk.mixer.kv_choice = choice
