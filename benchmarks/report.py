@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import re
 from pathlib import Path
 
@@ -25,10 +26,17 @@ def write_section(key: str, title: str, body: str) -> None:
 
 
 def parse_args(parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Every benchmark's flags (--quick, --no-write) and its thread setting: the 2 cores CI has."""
+    """Every benchmark's flags (--quick, --no-write), its thread setting (the 2 cores CI has) and,
+    as the CLI does, the HCW_* variables mapped onto an EngineConfig (`args.engine`) with the
+    kernel choice made for the process."""
+    from engine.engine_config import EngineConfig
+    from kernels import dispatch
+
     parser = parser or argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="short run")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/BENCHMARKS.md")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    args.engine = EngineConfig.from_env(os.environ)
+    dispatch.select(args.engine.kernels, args.engine.native)
     return args

@@ -11,6 +11,7 @@ record, with the session in the app's process. Writes its section to docs/BENCHM
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import shutil
 import statistics
@@ -27,14 +28,20 @@ from textual import events  # noqa: E402
 
 from benchmarks.report import parse_args, write_section  # noqa: E402
 from workbench.remote import RemoteSession  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+from workbench.options import CHAT_PREFILL_CHUNK  # noqa: E402
 from workbench.session import ChatOptions, ChatSession  # noqa: E402
 from workbench.tui.app import ChatApp  # noqa: E402
 
 PROMPT = "Tell me everything you remember, at length."
 
 
+# the chat's engine settings, with the HCW_* variables main() maps (the C kernels off: HCW_NATIVE=0)
+ENGINE = EngineConfig(prefill_chunk_size=CHAT_PREFILL_CHUNK)
+
+
 def _options(db: Path, tokens: int) -> ChatOptions:
-    return ChatOptions.of(model="hcw-tiny", db=db, max_new_tokens=tokens, ignore_eos=True)
+    return ChatOptions.of(model="hcw-tiny", db=db, max_new_tokens=tokens, ignore_eos=True, engine=ENGINE)
 
 
 async def _key_latency(app: ChatApp, key: str) -> float:
@@ -115,7 +122,9 @@ def _ms(values: list[float]) -> str:
 
 
 def main() -> None:
+    global ENGINE
     args = parse_args()
+    ENGINE = dataclasses.replace(args.engine, prefill_chunk_size=CHAT_PREFILL_CHUNK)
     folder = Path(tempfile.mkdtemp(prefix="hcw-tui-"))
     try:
         tokens, rounds, keys = (300, 2, 5) if args.quick else (600, 5, 20)

@@ -15,8 +15,8 @@ stopped recording statistics) means run uncaptured and capture again, never a re
 memory.
 
 On CPU nothing is captured: the same static step runs eagerly, which is how the tests compare it
-with the ordinary decode. `HCW_STATIC=1` (read when an Engine is made) turns it on in
-`Engine.decode`; off by default.
+with the ordinary decode. `EngineConfig.static` (the CLI maps HCW_STATIC=1 onto it) turns it on
+in `Engine.decode`; off by default.
 """
 
 from __future__ import annotations

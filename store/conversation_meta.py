@@ -22,6 +22,9 @@ def has_meta(db: sqlite_utils.Database) -> bool:
 
 
 def keep_model_name(db: sqlite_utils.Database, conversation_id: str, model_name: str) -> None:
+    """Without the table (a file that lost it by hand) the name is not kept: the conversation is."""
+    if not has_meta(db):
+        return
     db.execute(f"INSERT INTO {META} (conversation, meta) VALUES (?, ?)",
                [conversation_id, json.dumps({"model_name": model_name})])
 

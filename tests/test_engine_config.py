@@ -70,6 +70,49 @@ def test_generate_runs_with_the_variables_set(monkeypatch):
     res = runner.invoke(app, GENERATE)
     assert res.exit_code == 0, res.output
     assert len(json.loads(res.stdout)["token_ids"]) == 3
+    assert dispatch.mode() == "reference"
+
+
+def _layouts_built(monkeypatch) -> list[str]:
+    built = []
+    for cls in (KVState, PagedKVState):
+        real = cls.empty.__func__
+
+        def empty(kind, *args, _real=real, **kwargs):
+            built.append(kind.__name__)
+            return _real(kind, *args, **kwargs)
+        monkeypatch.setattr(cls, "empty", classmethod(empty))
+    return built
+
+
+@pytest.mark.parametrize("command", [
+    ["drill", "--model", "hcw-tiny", "--drill", "drop_tail", "--json"],
+    ["replay", str(ROOT / "sample_sessions" / "09_exact_policy.jsonl"), "--json"],
+    ["bench", "replay", "--prefix-lengths", "64", "--budgets", "0.05", "--tasks", "1", "--json"],
+])
+def test_commands_that_load_a_model_keep_kv_in_the_layout_hcw_kv_names(monkeypatch, command):
+    """(Found in review: drill, replay and bench replay threw the mapped config away.)"""
+    built = _layouts_built(monkeypatch)
+    monkeypatch.setenv("HCW_KV", "paged")
+    res = runner.invoke(app, command)
+    assert res.exit_code in (0, 1), res.output  # (a drill or replay may report a finding: exit 1)
+    assert built and set(built) == {"PagedKVState"}
+
+
+def test_an_engine_refuses_a_layout_its_cache_does_not_assemble():
+    from engine.cache.config import CacheConfig
+    from engine.cache.prefix_cache import PrefixCache
+    from engine.engine import Engine
+    from engine.model.loader import load_model
+
+    model = load_model("hcw-tiny")
+    cache = PrefixCache(model, CacheConfig(block_size=16))
+    with pytest.raises(ValueError, match="set the layout on the model before making its cache"):
+        Engine(model, EngineConfig(kv_layout="paged"), cache=cache)
+    bound = EngineConfig(kv_layout="paged").bind(model)
+    Engine(model, bound, cache=PrefixCache(model, CacheConfig(block_size=16)))  # made after: they agree
+    with pytest.raises(ValueError, match="KV layout 'pagd'"):
+        model.use_kv_layout("pagd")
 
 
 def test_a_chat_session_keeps_kv_in_the_layout_its_options_name(tmp_path):
@@ -88,3 +131,14 @@ def test_a_chat_session_keeps_kv_in_the_layout_its_options_name(tmp_path):
     finally:
         session.close()
     assert opts.cache.block_size == 16 and opts.engine.prefill_chunk_size == 64
+
+
+def test_a_replay_restart_runs_on_the_variables_too(monkeypatch, tmp_path):
+    """The process a `restart` step continues in is an entry point of its own (found in review:
+    it ran on the defaults): with HCW_NATIVE=0 nothing is built, before or after the restart."""
+    monkeypatch.setenv("HCW_NATIVE", "0")
+    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path / "native"))
+    res = runner.invoke(app, ["replay", str(ROOT / "sample_sessions" / "02_resume_after_restart.jsonl"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["failed"] == 0
+    assert not (tmp_path / "native").exists() or not list((tmp_path / "native").iterdir())

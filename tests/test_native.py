@@ -345,9 +345,9 @@ def test_a_damaged_build_is_built_again(monkeypatch, tmp_path):
     built.unlink()  # (a new file: this process has the old one mapped)
     built.write_bytes(b"not a shared object")
     # another process: this one's loader would hand back the library it already holds by that name
-    load = "import kernels.native as n; assert n.library('rms_norm').hcw_rms_norm"
-    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "HCW_NATIVE": "1"})
+    load = ("from kernels import dispatch; dispatch.select(native='1'); import kernels.native as n; "
+            "assert n.library('rms_norm').hcw_rms_norm")
+    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "building it again" in done.stderr and built.read_bytes()[:4] == b"\x7fELF"
 

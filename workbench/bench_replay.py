@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import load_model
+from engine import EngineConfig, load_model
 from engine.cache.config import CacheConfig, Reuse
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.states import Kind
@@ -109,16 +109,18 @@ def _state_errors(ours, ref) -> dict[int, float]:
 
 
 def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int = 4, seed: int = 0,
-              block_size: int = 64, progress=None, counter: Steps | None = None) -> dict:
+              block_size: int = 64, progress=None, counter: Steps | None = None,
+              engine: EngineConfig | None = None) -> dict:
     """`progress`: called with each row's line as it is measured; `counter`: counts the tasks,
-    len(lengths) * tasks of them (`workbench.progress`)."""
+    len(lengths) * tasks of them (`workbench.progress`); `engine`: what the engines run with."""
     counter = counter or Steps()
     folder = resolve_model(model)
     m = load_model(folder)
+    config = engine.bind(m) if engine is not None else None
     tok = load_tokenizer(folder, m.config.extra)
     if tok is None:
         raise ValueError(f"{model} has no tokenizer; the needle tasks are text")
-    Engine(m).start(tok.encode("warm-up"))  # first-call costs stay out of the timings
+    Engine(m, config).start(tok.encode("warm-up"))  # first-call costs stay out of the timings
     rows = []
     for length in lengths:
         rng = random.Random(seed + length)
@@ -135,7 +137,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
             asked = tok.apply_chat_template(case.context + [{"role": "user", "content": case.question}])
             answer = tok.encode(case.answer)
             t0 = time.perf_counter()
-            ref = Engine(m).start(asked)
+            ref = Engine(m, config).start(asked)
             full_ms = 1000 * (time.perf_counter() - t0)
             follow = _greedy(m, ref.logits, ref.state, FOLLOW)
             ref_logits = _continue(m, ref.logits, ref.state, follow)
@@ -149,7 +151,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                 if setting not in warmed:
                     cfg = CacheConfig(block_size=block_size, checkpoint_every=b.checkpoint_every,
                                       checkpoint_branch_point=False, checkpoint_tail=0, sketch_every=b.sketch_every)
-                    engine = Engine(m, cache=PrefixCache(m, cfg))
+                    engine = Engine(m, config, cache=PrefixCache(m, cfg))
                     engine.start(warm).finish()
                     warmed[setting] = engine, engine.cache.mark(), _gdn_bytes(engine.cache, asked)
                 engine, keep, gdn_bytes = warmed[setting]

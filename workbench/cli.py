@@ -78,8 +78,8 @@ def drill(
     from workbench.progress import wanted
 
     try:
-        engine_config()
-        silent = run(model, names or None, block_size, prompt_len, dtype, as_json, sys.stdout, wanted(as_json))
+        silent = run(model, names or None, block_size, prompt_len, dtype, as_json, sys.stdout, wanted(as_json),
+                     engine_config(dtype))
     except ValueError as e:
         fail(str(e))
     if silent:
@@ -98,18 +98,19 @@ def replay(
     terminal and --json is not given."""
     import sqlite3
 
+    from workbench.options import CHAT_PREFILL_CHUNK
     from workbench.progress import bar, wanted
     from workbench.replay import ScriptError, count_steps, parse, replay_file
 
     try:
-        engine_config()
+        engine = engine_config(prefill_chunk_size=CHAT_PREFILL_CHUNK)
         total = sum(count_steps(parse(f)) for f in files)  # every file is checked before anything runs
         reports = []
         with bar(total, "steps", wanted(as_json)) as counter:
             for f in files:
                 if not as_json:
                     typer.echo(f"{f}:")
-                reports.append(replay_file(f, db, model, None if as_json else typer.echo, counter))
+                reports.append(replay_file(f, db, model, None if as_json else typer.echo, counter, engine))
     except (ScriptError, ValueError, RuntimeError) as e:  # ConfigError, WeightsError; RuntimeError: a restart failed
         fail(str(e))
     except (sqlite3.DatabaseError, OSError) as e:
@@ -236,7 +237,7 @@ def chat(
     from engine.config import ConfigError, ModelConfig
     from engine.model.loader import resolve_model
     from workbench.remote import EngineProcessError, RemoteSession
-    from workbench.options import ChatOptions, parse_budget
+    from workbench.options import CHAT_PREFILL_CHUNK, ChatOptions, parse_budget
     from workbench.session import ChatSession
 
     import sqlite3
@@ -255,7 +256,7 @@ def chat(
                               replay_budget=(budget := parse_budget(replay_budget)),
                               replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
                               sketch_every=gdn_sketches, deterministic=deterministic,
-                              engine=engine_config(prefill_chunk_size=1024), **given)
+                              engine=engine_config(prefill_chunk_size=CHAT_PREFILL_CHUNK), **given)
         line_based = plain or as_json or not sys.stdin.isatty()
         if line_based:
             t0 = time.perf_counter()

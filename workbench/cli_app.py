@@ -39,8 +39,8 @@ DB_HELP = ("workbench file: conversations and cached segments (default: $HCW_HOM
 
 def engine_config(dtype: str = "fp32", **given):
     """The EngineConfig a command runs with, the HCW_KV / HCW_KERNELS / HCW_NATIVE / HCW_STATIC
-    variables mapped onto it; the kernel choice is also made for the process, so every engine
-    the command builds beside its main one takes it."""
+    variables mapped onto it; the command hands it to what it runs (EngineConfig.bind sets the KV
+    layout on the model it loads). The kernel choice is also made for the whole process."""
     from engine.config import parse_dtype
     from engine.engine_config import EngineConfig
     from kernels import dispatch

@@ -57,6 +57,8 @@ def train_tiny(
     the synthetic recall data, on this machine's CPU."""
     from workbench.tiny.train import TrainConfig, train
 
+    engine_config()  # the kernel choice (HCW_KERNELS, HCW_NATIVE) for training and its evaluation
+
     if hidden % 32 or (arch == "qwen3_5" and hidden % 64):
         fail("--hidden must be a multiple of 32 (of 64 for qwen3_5)")
     if arch not in ("hcw_hybrid", "qwen3_5"):
@@ -114,14 +116,14 @@ def bench_replay(
     from workbench.progress import bar, wanted
 
     try:
-        engine_config()
+        engine = engine_config()
         lengths = [int(x) for x in prefix_lengths.split(",") if x.strip()]
         if not lengths or min(lengths) < 64:
             raise ValueError("--prefix-lengths: give token counts of at least 64")
         with bar(len(lengths) * tasks, "tasks", wanted(as_json)) as counter:
             report = run_bench(model, lengths, parse_budgets(budgets, tolerance, sketch_every), tasks,
                                progress=None if as_json else lambda line: typer.echo(line, err=True),
-                               counter=counter)
+                               counter=counter, engine=engine)
     except ValueError as e:  # ConfigError is one
         fail(str(e))
     if as_json:

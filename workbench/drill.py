@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 from typing import TextIO
 
-from engine import load_model
+from engine import EngineConfig, load_model
 from engine.cache.faults import DRILLS, run_drills
 from workbench.progress import bar
 
 
 def run(model_dir: Path, names: list[str] | None, block_size: int, prompt_len: int, dtype: str,
-        as_json: bool, out: TextIO, show_progress: bool = False) -> bool:
+        as_json: bool, out: TextIO, show_progress: bool = False, engine: EngineConfig | None = None) -> bool:
     """Print the reports; return True when any drill went wrong silently. With `show_progress`, a
     bar on stderr counts the drills."""
     names = names or list(DRILLS)
@@ -21,13 +21,14 @@ def run(model_dir: Path, names: list[str] | None, block_size: int, prompt_len: i
     if unknown:
         raise ValueError(f"unknown drill {unknown[0]!r}; drills: {', '.join(DRILLS)}")
     model = load_model(model_dir, dtype=dtype)
+    engine = engine.bind(model) if engine is not None else None
     reports = []
     with bar(len(names), "drills", show_progress) as steps:
         # one drill a call, to count them (each call also runs the cold reference prefill again: the
         # same seed gives the same prompt, so the reports are those of one call with every name)
         for name in names:
             steps.doing(name)
-            reports += run_drills(model, prompt_len=prompt_len, block_size=block_size, names=[name])
+            reports += run_drills(model, prompt_len=prompt_len, block_size=block_size, names=[name], config=engine)
             steps.done()
     silent = any(r.silent for r in reports)
     if as_json:

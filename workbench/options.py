@@ -13,6 +13,9 @@ from engine.cache.config import CacheConfig, Reuse
 from engine.engine_config import EngineConfig
 
 REUSE_POLICIES = tuple(Reuse)
+# a cancel (Esc) is heard between two chunks of a prefill: chunks this long cost a long prompt
+# nothing measurable against the engine's default, and shorter ones cost more (docs/BENCHMARKS.md)
+CHAT_PREFILL_CHUNK = 1024
 
 
 def parse_budget(text: str) -> float | None:
@@ -41,9 +44,8 @@ class ChatOptions:
     db: Path | None = None
     session: str | None = None  # a conversation id (or unique prefix) to resume
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
-    # dtype and device come from the loaded model; a cancel (Esc) is heard between two chunks of a
-    # prefill, so a chat's chunks are shorter than the engine's default
-    engine: EngineConfig = dataclasses.field(default_factory=lambda: EngineConfig(prefill_chunk_size=1024))
+    # dtype and device come from the loaded model; its chunks are CHAT_PREFILL_CHUNK
+    engine: EngineConfig = dataclasses.field(default_factory=lambda: EngineConfig(prefill_chunk_size=CHAT_PREFILL_CHUNK))
     max_new_tokens: int = 256
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
     greedy: bool = True
@@ -55,11 +57,11 @@ class ChatOptions:
     continue_last: bool = False  # resume the most recently updated conversation (`hcw chat -c`)
 
     @classmethod
-    def of(cls, *, deterministic: bool = False, device_budget_mb: int | None = None,
+    def of(cls, *, deterministic: bool | None = None, device_budget_mb: int | None = None,
            prefill_chunk_size: int | None = None, **flat) -> ChatOptions:
         """Options from flat names, as the CLI's flags and a scripted session's config step give
         them: CACHE_OPTIONS go to `cache`, `prefill_chunk_size` to `engine`, `deterministic` to
-        both (they must agree), the rest to ChatOptions itself."""
+        both (they must agree; default: the given engine's), the rest to ChatOptions itself."""
         reuse = flat.get("reuse", Reuse.EXACT)
         if reuse not in REUSE_POLICIES:
             raise ValueError(f"--reuse must be one of {', '.join(REUSE_POLICIES)}, got {reuse!r}")
@@ -69,8 +71,9 @@ class ChatOptions:
         if device_budget_mb is not None:
             given["budget_bytes"] = device_budget_mb << 20
         engine = flat.pop("engine", None) or cls.__dataclass_fields__["engine"].default_factory()
-        engine = dataclasses.replace(engine, deterministic=deterministic,
-                                     prefill_chunk_size=prefill_chunk_size or engine.prefill_chunk_size)
+        deterministic = engine.deterministic if deterministic is None else deterministic
+        chunk = engine.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk_size
+        engine = dataclasses.replace(engine, deterministic=deterministic, prefill_chunk_size=chunk)
         return cls(cache=CacheConfig(deterministic=deterministic, **given), engine=engine, **flat)
 
     @property

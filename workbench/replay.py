@@ -20,6 +20,7 @@ database unless --db is given. Exit status: 0 all expectations met, 1 some faile
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -28,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.progress import Steps
-from workbench.options import ChatOptions, parse_budget
+from engine.engine_config import EngineConfig
+from kernels import dispatch
+from workbench.options import CHAT_PREFILL_CHUNK, ChatOptions, parse_budget
 from workbench.session import ChatSession
 from workbench.turns import TurnResult
 
@@ -100,13 +103,16 @@ def parse(path: Path) -> list[tuple[int, dict]]:
     return steps
 
 
-def options(steps: list[tuple[int, dict]], db: Path, model: str | None, session: str | None = None) -> ChatOptions:
+def options(steps: list[tuple[int, dict]], db: Path, model: str | None, session: str | None = None,
+            engine: EngineConfig | None = None) -> ChatOptions:
     cfg = {k: v for k, v in steps[0][1].items() if k != "op"} if steps[0][1]["op"] == "config" else {}
     if model is not None:
         cfg["model"] = model
     cfg.setdefault("max_new_tokens", 32)
     if isinstance(cfg.get("replay_budget"), str):  # "5%", "0.05", "512", "adaptive", as on the command line
         cfg["replay_budget"] = parse_budget(cfg["replay_budget"])
+    if engine is not None:
+        cfg["engine"] = engine
     return ChatOptions.of(db=db, session=session, **cfg)
 
 
@@ -186,14 +192,16 @@ def _apply(session: ChatSession, op: str, step: dict) -> tuple[str, TurnResult |
 
 
 def replay_file(path: Path, db: Path | None = None, model: str | None = None, progress=None,
-                counter: Steps | None = None) -> dict:
-    """Run one session file; each restart continues in a child process on the same database.
-    `progress`: called with a line per step result; `counter`: counts the steps (`workbench.progress`)."""
+                counter: Steps | None = None, engine: EngineConfig | None = None) -> dict:
+    """Run one session file; each restart continues in a child process on the same database (an
+    entry point of its own: it maps the HCW_* variables it inherits as the CLI does).
+    `progress`: called with a line per step result; `counter`: counts the steps (`workbench.progress`);
+    `engine`: what the sessions' engines run with."""
     steps = parse(path)
     counter = counter or Steps()
     with tempfile.TemporaryDirectory() as tmp:
         db = db or Path(tmp) / "replay.db"
-        session = ChatSession(options(steps, db, model))
+        session = ChatSession(options(steps, db, model, engine=engine))
         results, resume_at = run_steps(session, steps, counter=counter)
         conversation, thread = session.conversation.id, session.thread.id
         _report(progress, results)
@@ -230,7 +238,9 @@ def _child(argv: list[str]) -> None:
     """The process after a restart: resume the conversation, run the rest, print one JSON line."""
     path, db, model, conversation, thread, start = argv
     steps = parse(Path(path))
-    session = ChatSession(options(steps, Path(db), model or None, conversation))
+    engine = EngineConfig.from_env(os.environ, prefill_chunk_size=CHAT_PREFILL_CHUNK)
+    dispatch.select(engine.kernels, engine.native)
+    session = ChatSession(options(steps, Path(db), model or None, conversation, engine=engine))
     session.switch(thread)
     results, resume_at = run_steps(session, steps, int(start))
     print(json.dumps({"results": [r.as_dict() for r in results], "resume_at": resume_at, "thread": session.thread.id}))

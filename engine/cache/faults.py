@@ -210,19 +210,20 @@ class DrillReport:
 
 
 def run_drills(model, prompt_len: int = 96, block_size: int = 16, names: list[str] | None = None,
-               seed: int = 0) -> list[DrillReport]:
+               seed: int = 0, config=None) -> list[DrillReport]:
+    """`config`: the EngineConfig the drills' engines run with (default: the model's own)."""
     from engine.engine import Engine
 
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
     probe = prompt + torch.randint(0, model.config.vocab_size, (5,), generator=g).tolist()
-    cold = Engine(model).start(probe).logits
+    cold = Engine(model, config).start(probe).logits
     reports = []
     for name in names or list(DRILLS):
         if name not in DRILLS:
             raise ValueError(f"unknown drill {name!r}; drills: {', '.join(DRILLS)}")
         cache = PrefixCache(model, CacheConfig(block_size=block_size, checkpoint_every=1), lower=MemoryTier())
-        engine = Engine(model, cache=cache)
+        engine = Engine(model, config, cache=cache)
         engine.start(prompt).finish()
         damaged = DRILLS[name](cache, _records(cache, prompt))
         run = engine.start(probe)

@@ -6,7 +6,8 @@ validator's failures, or a lower tier's reason ("missing", "fingerprint", "check
 the text events and the UI show, "kind: detail".
 
 store/ imports nothing of engine/, so the disk tier builds its own value of this shape
-(store.tier.Miss); the cache reads only `kind` and `str()` of what a lower tier returns.
+(store.tier.Miss); the cache reads only `kind` and `str()` of what a lower tier returns, and
+the two never compare equal (compare their `kind` and `detail`, never the values).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def library(name: str) -> ctypes.CDLL | None:
             _loaded[name] = _build_and_load(name)
         lib = _loaded[name]
     if lib is None and mode() == "1":
-        raise NativeUnavailable(f"native kernel {name!r} is unavailable (see the log above); HCW_NATIVE=1 requires it")
+        raise NativeUnavailable(f"native kernel {name!r} is unavailable (see the log above); native '1' (HCW_NATIVE=1) requires it")
     return lib
 
 
