@@ -74,3 +74,14 @@ def test_a_file_whose_table_was_made_by_a_named_conversation_keeps_its_names(tmp
     assert BEFORE in _applied(convs.db)
     assert convs.conversation(conv_id).model_name == "hcw-tiny"
     assert [(m.role, m.content) for m in convs.path(thread_id)] == history
+
+
+def test_a_file_that_lost_the_table_still_takes_a_new_conversation(tmp_path):
+    """(Found in review.) m004 is recorded as done, so it does not run again: the name is not kept,
+    the conversation is, and the listing still answers."""
+    db = open_db(tmp_path / "w.db")
+    db.execute("DROP TABLE conversation_meta")
+    convs = Conversations(open_db(tmp_path / "w.db"))
+    conv, main = convs.create(system="hi", model_name="hcw-tiny")
+    assert convs.path(main.id)[0].content == "hi"
+    assert [c["id"] for c in convs.recent()] == [conv.id]
