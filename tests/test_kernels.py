@@ -421,3 +421,26 @@ def test_states_at_cuts_are_those_of_calls_that_end_there(kernels):
     for bad in ([0], [53], [16, 5], [7, 7]):
         with pytest.raises(ValueError, match="cuts"):
             chunk_gated_delta_at(q, k, v, g, beta, s0, bad)
+
+
+def test_cuts_a_chunk_apart_come_from_one_scan_padded_at_its_front():
+    """The cache's boundaries (a multiple of the reference's 64-token chunk apart, anywhere in the
+    pass): one scan whose chunks end at the cuts, no pass per piece; the same states and output
+    as the pieces' calls up to rounding."""
+    from kernels.gated_delta import chunk_gated_delta, chunk_gated_delta_at
+    from kernels.gated_delta import reference as ref
+
+    q, k, v, g, beta, s0 = _inputs(1, 230, 2, 4, 16, 16, torch.float32, seed=11)
+    cuts = [10, 74, 202]
+    calls = []
+    real = ref._chunk_block
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ref, "_chunk_block", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        o, final, states = chunk_gated_delta_at(q, k, v, g, beta, s0, cuts)
+    assert len(calls) == 1  # one scan (4 chunks: 54 padded tokens, then the 230)
+    state = s0
+    for lo, hi, got in zip([0, *cuts], cuts, states):
+        _, state = chunk_gated_delta(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state)
+        assert _rel(got, state) < 1e-5
+    whole_o, whole_s = chunk_gated_delta(q, k, v, g, beta, s0)
+    assert _rel(o, whole_o) < 1e-5 and _rel(final, whole_s) < 1e-5 and o.shape == whole_o.shape

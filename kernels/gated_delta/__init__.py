@@ -30,13 +30,22 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None):
     return reference.chunk_gated_delta(q, k, v, g, beta, initial_state)
 
 
+ALIGNED = 64  # the reference's chunk: cuts this far apart cost its scan nothing
+
+
 def chunk_gated_delta_at(q, k, v, g, beta, initial_state=None, cuts: Sequence[int] = ()):
-    """(o, final state, [the state after token c for each c in cuts]): each state is the one a
-    call that ended at c would return, to the bit, since the rule runs over the same pieces (cuts
-    strictly inside the sequence, increasing)."""
+    """(o, final state, [the state after token c for each c in cuts]; cuts strictly inside the
+    sequence, increasing). Cuts a multiple of the reference's chunk apart are taken from one scan
+    padded at its front so that each ends a chunk (the same values up to rounding); others run
+    the rule over the pieces between them, each state then to the bit the one a call that ended
+    there returns."""
     t = q.shape[1]
     if any(not 0 < c < t for c in cuts) or list(cuts) != sorted(set(cuts)):
         raise ValueError(f"cuts must increase strictly inside the sequence (0, {t}), got {list(cuts)}")
+    if cuts and not use_triton(q, k, v) and len({c % ALIGNED for c in cuts}) == 1:
+        # every cut ends a chunk of the reference's scan (the cache's boundaries, a multiple of its
+        # chunk apart): one pass, the states taken where the scan has them
+        return reference.chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts, ALIGNED)
     outs, states, state = [], [], initial_state
     for lo, hi in zip([0, *cuts], [*cuts, t]):
         o, state = chunk_gated_delta(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state)

@@ -93,33 +93,48 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64
 
     Everything runs chunk-major ([N, B, H, C, D]): the sequential scan then reads each chunk's
     blocks contiguously with no layout copies, and the output is written in place."""
+    o, s, _ = chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, (), chunk_size, block_chunks)
+    return o, s
+
+
+def chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts, chunk_size: int = 64,
+                               block_chunks: int = 16):
+    """`chunk_gated_delta` that also returns the state after each of `cuts` (offsets inside the
+    sequence, all congruent modulo `chunk_size`): the sequence is padded at its front so that
+    each cut ends a chunk, where the scan has the state anyway; no extra pass."""
     out_dtype = v.dtype
     b, t, h, dv = v.shape
     dk = k.shape[-1]
     c = chunk_size
-    # padded tokens carry beta = 0 (no write) and g = 0 (no decay): the final state is unchanged
-    pad = (-t) % c
+    # padded tokens carry beta = 0 (no write) and g = 0 (no decay): the state is unchanged by them
+    lead = (-cuts[0]) % c if cuts else 0
+    if any((lead + cut) % c for cut in cuts):
+        raise ValueError(f"cuts {list(cuts)} are not congruent modulo the chunk size {c}")
+    pad = (-(lead + t)) % c
     groups = h // k.shape[2]
-    q, k = (_chunked(x, c, pad, groups) for x in (q, k))
-    v, g, beta = (_chunked(x, c, pad, 1) for x in (v, g, beta))
+    q, k = (_chunked(x, c, pad, groups, lead) for x in (q, k))
+    v, g, beta = (_chunked(x, c, pad, 1, lead) for x in (v, g, beta))
     n = q.shape[0]
     s = _initial(initial_state, b, h, dk, dv, v.device)
+    emit = [(lead + cut) // c - 1 for cut in cuts]  # the chunks whose end is a cut
     # without autograd, written in place; under it (training the tiny models), out of place
     out = None if torch.is_grad_enabled() else torch.empty(n, b, h, c, dv, dtype=torch.float32, device=v.device)
-    blocks = []
+    blocks, states = [], []
     for lo in range(0, n, block_chunks):
         hi = min(lo + block_chunks, n)
-        o, s = _chunk_block(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], s, None if out is None else out[lo:hi])
+        o, s = _chunk_block(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], s, None if out is None else out[lo:hi],
+                            [i - lo for i in emit if lo <= i < hi], states)
         blocks.append(o)
     out = torch.cat(blocks) if out is None else out
-    out = out.permute(1, 0, 3, 2, 4).reshape(b, n * c, h, dv)  # [B, T + pad, H, Dv]
-    return (out[:, :t] if pad else out).to(out_dtype), s
+    out = out.permute(1, 0, 3, 2, 4).reshape(b, n * c, h, dv)  # [B, lead + T + pad, H, Dv]
+    return (out[:, lead:lead + t] if lead or pad else out).to(out_dtype), s, states
 
 
-def _chunked(x: torch.Tensor, c: int, pad: int, groups: int) -> torch.Tensor:
-    """[B, T, H, *D] -> [N, B, H * groups, C, *D] in float32, contiguous, zero-padded to whole chunks."""
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+def _chunked(x: torch.Tensor, c: int, pad: int, groups: int, lead: int = 0) -> torch.Tensor:
+    """[B, T, H, *D] -> [N, B, H * groups, C, *D] in float32, contiguous, zero-padded to whole
+    chunks (`lead` zeros before the sequence, `pad` after)."""
+    if pad or lead:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (lead, pad))
     x = x.float().unflatten(1, (-1, c)).movedim(1, 0).transpose(2, 3)  # [N, B, H, C, *D], a view
     if groups == 1:
         return x.contiguous()
@@ -129,8 +144,9 @@ def _chunked(x: torch.Tensor, c: int, pad: int, groups: int) -> torch.Tensor:
     return x.unsqueeze(3).expand(n, b, h, groups, *x.shape[3:]).reshape(n, b, h * groups, *x.shape[3:]).contiguous()
 
 
-def _chunk_block(q, k, v, g, beta, s, out: torch.Tensor | None):
-    """Chunk-major inputs [N, B, H, C, D], state s [B, H, Dk, Dv] -> (out [N, B, H, C, Dv], new state).
+def _chunk_block(q, k, v, g, beta, s, out: torch.Tensor | None, emit=(), states=None):
+    """Chunk-major inputs [N, B, H, C, D], state s [B, H, Dk, Dv] -> (out [N, B, H, C, Dv], new state);
+    the state after each chunk in `emit` is appended to `states`.
 
     Given `out`, the products are formed in place and the output written into it; without
     (under autograd, which cannot differentiate through that) the same arithmetic runs out of place."""
@@ -175,4 +191,6 @@ def _chunk_block(q, k, v, g, beta, s, out: torch.Tensor | None):
             o = torch.bmm(q_decayed[i].view(-1, c, dk), s, out=out[i].view(-1, c, dv))
             o.baddbmm_(attn[i].view(-1, c, c), u)
         s = torch.baddbmm(s * chunk_decay[i].view(-1, 1, 1), k_to_end_t[i].reshape(-1, dk, c), u)
+        if i in emit:
+            states.append(s.view(b, h, dk, dv))
     return torch.stack(outs).view(n, b, h, c, dv) if differentiable else out, s.view(b, h, dk, dv)
