@@ -87,6 +87,8 @@ class Engine:
         self.model = model
         deterministic = cache is not None and cache.config.deterministic
         self.config = config or EngineConfig(dtype=model.dtype, device=str(model.device), deterministic=deterministic)
+        if cache is not None and self.config.cache is not None and cache.config != self.config.cache:
+            raise ValueError("the cache was not built from this EngineConfig's cache settings (EngineConfig.cache)")
         if cache is not None and cache.config.deterministic != self.config.deterministic:
             # its states were made (and are fingerprinted) under one arithmetic; reuse under the other is not bit-exact
             raise ValueError("the engine and its cache must agree on deterministic (bit-exact) arithmetic")

@@ -1,5 +1,5 @@
 """`EngineConfig`: what the user chooses at run time (dtype, device, chunking, bit-exact mode, KV
-layout, kernels, static decode), built once at the entry point; `from_env` maps the HCW_*
+layout, kernels, static decode, the prefix cache's CacheConfig), built once at the entry point; `from_env` maps the HCW_*
 variables onto it, and no library code reads them itself."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.cache.config import CacheConfig
 from engine.config import ConfigError
 from kernels import dispatch
 
@@ -41,6 +42,9 @@ class EngineConfig:
     kernels: str | None = None
     native: str | None = None
     static: bool = False  # decode captured as a CUDA graph (engine/static_decode.py)
+    # the prefix cache's settings, which the entry point builds its PrefixCache with (with the
+    # lower tier it chose); None: no cache settings given (an engine without a cache, or a test's)
+    cache: CacheConfig | None = None
     # (None above: leave what the process or the model has, e.g. an engine a command makes beside its main one)
 
     def __post_init__(self) -> None:
@@ -49,6 +53,9 @@ class EngineConfig:
         for name, choices in (("kv_layout", KV_LAYOUTS), ("kernels", KERNEL_CHOICES), ("native", NATIVE_CHOICES)):
             if getattr(self, name) not in (None, *choices):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; one of {', '.join(choices)}")
+        if self.cache is not None and self.cache.deterministic != self.deterministic:
+            # a cache's states are made (and fingerprinted) under one arithmetic
+            raise ConfigError("the engine and the cache must agree on deterministic (bit-exact) arithmetic")
 
     def bind(self, model) -> EngineConfig:
         """This config for a loaded model: its KV layout set on the model (before a cache is made

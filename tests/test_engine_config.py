@@ -142,3 +142,20 @@ def test_a_replay_restart_runs_on_the_variables_too(monkeypatch, tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["failed"] == 0
     assert not (tmp_path / "native").exists() or not list((tmp_path / "native").iterdir())
+
+
+def test_the_engine_config_carries_the_cache_settings_and_they_must_agree():
+    from engine.cache.config import CacheConfig
+    from engine.cache.prefix_cache import PrefixCache
+    from engine.engine import Engine
+    from engine.model.loader import load_model
+
+    with pytest.raises(ConfigError, match="deterministic"):
+        EngineConfig(deterministic=True, cache=CacheConfig())
+    opts = ChatOptions.of(block_size=16, deterministic=True)
+    assert opts.engine.cache is opts.cache and opts.cache.block_size == 16 and opts.cache.deterministic
+    model = load_model("hcw-tiny")
+    config = EngineConfig(cache=CacheConfig(block_size=16))
+    Engine(model, config, cache=PrefixCache(model, config.cache))
+    with pytest.raises(ValueError, match="EngineConfig.cache"):
+        Engine(model, config, cache=PrefixCache(model, CacheConfig(block_size=32)))

@@ -43,9 +43,10 @@ class ChatOptions:
     model: str | Path = "hcw-tiny"
     db: Path | None = None
     session: str | None = None  # a conversation id (or unique prefix) to resume
-    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
-    # dtype and device come from the loaded model; its chunks are CHAT_PREFILL_CHUNK
-    engine: EngineConfig = dataclasses.field(default_factory=lambda: EngineConfig(prefill_chunk_size=CHAT_PREFILL_CHUNK))
+    # dtype and device come from the loaded model; its chunks are CHAT_PREFILL_CHUNK; `engine.cache`
+    # is what the session builds its PrefixCache with
+    engine: EngineConfig = dataclasses.field(
+        default_factory=lambda: EngineConfig(prefill_chunk_size=CHAT_PREFILL_CHUNK, cache=CacheConfig()))
     max_new_tokens: int = 256
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
     greedy: bool = True
@@ -73,18 +74,24 @@ class ChatOptions:
         engine = flat.pop("engine", None) or cls.__dataclass_fields__["engine"].default_factory()
         deterministic = engine.deterministic if deterministic is None else deterministic
         chunk = engine.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk_size
-        engine = dataclasses.replace(engine, deterministic=deterministic, prefill_chunk_size=chunk)
-        return cls(cache=CacheConfig(deterministic=deterministic, **given), engine=engine, **flat)
+        cache = dataclasses.replace(engine.cache or CacheConfig(), **given, deterministic=deterministic)
+        engine = dataclasses.replace(engine, deterministic=deterministic, prefill_chunk_size=chunk, cache=cache)
+        return cls(engine=engine, **flat)
+
+    @property
+    def cache(self) -> CacheConfig:
+        """The prefix cache's settings (held by the EngineConfig)."""
+        return self.engine.cache
 
     @property
     def reuse(self) -> Reuse:
         return Reuse(self.cache.reuse)
 
     def __post_init__(self) -> None:
+        if self.engine.cache is None:
+            raise ValueError("a chat's EngineConfig needs its cache settings (EngineConfig.cache)")
         if self.cache.sketch_every and self.reuse != Reuse.APPROXIMATE:
             raise ValueError("--gdn-sketches needs --reuse approximate: only an approximate replay reads a sketch")
-        if self.engine.deterministic != self.cache.deterministic:
-            raise ValueError("the engine and the cache must agree on deterministic (bit-exact) arithmetic")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if self.decode_threads is not None and self.decode_threads < 1:
