@@ -176,12 +176,15 @@ class GDNState:
             seg = seg.reshape(seg.shape[0], n // stride, stride, *seg.shape[2:])
             out[Kind.DECAY] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1))
             self._forget_stats_before(hi)
-        recurrent, conv = self.kept.get(hi, (self.recurrent, self.conv))  # at hi: kept inside, or the state's own
+        # at hi: kept inside the last pass (tensors nothing else holds or writes: no copy needed),
+        # or the state's own (copied: the state goes on)
+        kept = self.kept.get(hi)
         if snapshots:
-            out[Kind.RECURRENT] = Piece(False, recurrent.clone())
-            out[Kind.CONV] = Piece(False, conv.clone())
+            recurrent, conv = kept if kept is not None else (self.recurrent.clone(), self.conv.clone())
+            out[Kind.RECURRENT] = Piece(False, recurrent)
+            out[Kind.CONV] = Piece(False, conv)
         if sketches:
-            out[Kind.SKETCH] = Piece(False, sketch(recurrent))
+            out[Kind.SKETCH] = Piece(False, sketch(kept[0] if kept is not None else self.recurrent))
         return out
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:
