@@ -96,7 +96,7 @@ class Engine:
         # the kernel choice is the process's and the KV layout the model's: an engine that names one sets it
         dispatch.select(self.config.kernels, self.config.native)
         if self.config.kv_layout is not None:
-            if cache is not None and cache.kv_layout != kv_layout(self.config.kv_layout, model.device):
+            if cache is not None and cache.kv_layout not in (None, kv_layout(self.config.kv_layout, model.device)):
                 raise ValueError(f"the cache assembles {cache.kv_layout} KV states and the engine asks for "
                                  f"{self.config.kv_layout}: set the layout on the model before making its cache "
                                  "(EngineConfig.bind)")

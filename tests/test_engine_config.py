@@ -159,3 +159,20 @@ def test_the_engine_config_carries_the_cache_settings_and_they_must_agree():
     Engine(model, config, cache=PrefixCache(model, config.cache))
     with pytest.raises(ValueError, match="EngineConfig.cache"):
         Engine(model, config, cache=PrefixCache(model, CacheConfig(block_size=32)))
+
+
+def test_a_model_without_full_attention_takes_any_layout_with_its_cache():
+    """(Found in review: the layout check refused a paged layout for models that keep no KV.)"""
+    from engine.cache.config import CacheConfig
+    from engine.cache.prefix_cache import PrefixCache
+    from engine.config import ModelConfig
+    from engine.engine import Engine
+    from engine.model.hybrid import HybridModel
+    from engine.model.random_init import init_random, qwen3_5_text_dict
+
+    raw = qwen3_5_text_dict(hidden=64, layers=2) | {"layer_types": ["linear_attention"] * 2}
+    model = init_random(HybridModel(ModelConfig.from_dict(raw)), 0).eval()
+    config = EngineConfig(kv_layout="paged").bind(model)
+    cache = PrefixCache(model, CacheConfig(block_size=16))
+    assert cache.kv_layout is None
+    Engine(model, config, cache=cache).start(list(range(40))).finish()

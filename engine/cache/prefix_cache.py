@@ -29,7 +29,7 @@ import torch
 
 from engine.cache.assembly import Assembler
 from engine.cache.config import CacheConfig, Reuse
-from engine.cache.kv import PagedKVState
+from engine.cache.kv import KVState, PagedKVState
 from engine.cache.miss import Miss
 from engine.cache.prefix_index import ROOT, PrefixIndex, token_bytes
 from engine.cache.recovery import group_of
@@ -124,8 +124,9 @@ class PrefixCache:
         self.persisted: dict[bytes, int] = {}  # key -> record version last saved to the lower tier
         self.model = model
         self.template = model.new_state()
-        # the layout of the states it assembles: its model's when it was made
-        self.kv_layout = "paged" if any(isinstance(s, PagedKVState) for s in self.template.layers) else "dense"
+        # the layout of the KV states it assembles (its model's when it was made); None: no full attention
+        kinds = {type(s) for s in self.template.layers} & {KVState, PagedKVState}
+        self.kv_layout = None if not kinds else "paged" if PagedKVState in kinds else "dense"
         self.layout = layout_fingerprint(model, self.config)
         self.index = PrefixIndex(self.config.block_size, self.layout)
         self.table = StateTable(self.config.budget_bytes, self.config.host_budget_bytes,

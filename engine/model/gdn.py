@@ -88,10 +88,13 @@ class GatedDeltaNet(nn.Module):
     def _keep(self, state: GDNState, start: int, cuts: list[int], inner: list[torch.Tensor],
               history: torch.Tensor, qkv: torch.Tensor) -> None:
         """The state after each cut as a pass ending there would leave it: the rule's state, and
-        the conv window of the K-1 inputs before the cut (from before this pass, then this pass's)."""
-        inputs = torch.cat([as_dtype(history.transpose(1, 2), qkv.dtype), qkv], dim=1)  # [B, K-1+T, C]
+        the conv window of the K-1 inputs before the cut (from before this pass, then this pass's),
+        a copy of its own (a view would hold the pass's whole projection in the cache)."""
+        w = self.kernel - 1
         for c, recurrent in zip(cuts, inner):
-            state.kept[start + c] = (recurrent, inputs[:, c:c + self.kernel - 1].transpose(1, 2).contiguous())
+            rows = qkv[:, c - w:c] if c >= w else torch.cat([as_dtype(history[:, :, c:].transpose(1, 2), qkv.dtype),
+                                                             qkv[:, :c]], dim=1)
+            state.kept[start + c] = (recurrent, rows.transpose(1, 2).clone(memory_format=torch.contiguous_format))
 
     def _native_step(self, proj: torch.Tensor, state: GDNState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/gdn_decode.c: the same arithmetic as the torch

@@ -3,7 +3,8 @@
 Both forms dispatch (kernels.dispatch): the Triton kernel on CUDA, the torch reference on CPU or
 with kernels "reference". `chunk_gated_delta_at` is the chunked form that also yields the state
 at given offsets inside the sequence (the prefix cache's boundary snapshots), so the model's
-forward pass need not stop there: the rule's sequence is cut at those offsets, nothing else is.
+forward pass need not stop there: the rule's scan yields them (or, off the chunk grid, runs
+piece by piece between them); nothing else in the pass changes.
 """
 
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None):
     return reference.chunk_gated_delta(q, k, v, g, beta, initial_state)
 
 
-ALIGNED = 64  # the reference's chunk: cuts this far apart cost its scan nothing
+ALIGNED = reference.CHUNK  # cuts a multiple of the reference's chunk apart cost its scan nothing
 
 
 def chunk_gated_delta_at(q, k, v, g, beta, initial_state=None, cuts: Sequence[int] = ()):

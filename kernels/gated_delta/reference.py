@@ -87,7 +87,10 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype is torch.float32 else x.float()
 
 
-def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, block_chunks: int = 16):
+CHUNK = 64  # tokens a chunk of the scan takes
+
+
+def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK, block_chunks: int = 16):
     """Chunks of `chunk_size` tokens, `block_chunks` chunks materialised at a time: the C x C
     intermediates then cost O(block) memory whatever the sequence length.
 
@@ -97,7 +100,7 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64
     return o, s
 
 
-def chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts, chunk_size: int = 64,
+def chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts, chunk_size: int = CHUNK,
                                block_chunks: int = 16):
     """`chunk_gated_delta` that also returns the state after each of `cuts` (offsets inside the
     sequence, all congruent modulo `chunk_size`): the sequence is padded at its front so that
