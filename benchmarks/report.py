@@ -37,6 +37,9 @@ def parse_args(parser: argparse.ArgumentParser | None = None) -> argparse.Namesp
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/BENCHMARKS.md")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    args.engine = EngineConfig.from_env(os.environ)
+    try:
+        args.engine = EngineConfig.from_env(os.environ)
+    except ValueError as e:  # ConfigError: a bad HCW_* value, one line and exit 2
+        parser.error(str(e))
     dispatch.select(args.engine.kernels, args.engine.native)
     return args

@@ -154,11 +154,12 @@ class Engine:
                 at = at[:1]
                 hi = lo + at[0] - state.seq_len
             end = state.seq_len + hi - lo
-            state.mark([p for p in at if p < end])
-            logits = self.model(tokens[lo:hi], state, last_only=True)
-            for p in at:
-                on_stop(state, p)
             if at:
+                state.mark([p for p in at if p < end])
+            logits = self.model(tokens[lo:hi], state, last_only=True)
+            if at:
+                for p in at:
+                    on_stop(state, p)
                 state.mark()  # the kept snapshots are in the cache now
             lo = hi
         return logits[0, -1]

@@ -46,10 +46,12 @@ def test_the_cli_makes_the_kernel_choice_for_the_process(monkeypatch):
                                         ("HCW_NATIVE", "2")])
 def test_a_bad_variable_is_one_line_and_exit_2(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
-    res = runner.invoke(app, GENERATE)
-    assert res.exit_code == 2, res.output
-    assert res.stderr.strip().splitlines() == [res.stderr.strip()] and var in res.stderr
-    assert "Traceback" not in res.output
+    for command in (GENERATE, ["train-tiny", "--out", "unused", "--steps", "1"],
+                    ["drill", "--model", "hcw-tiny", "--json"]):
+        res = runner.invoke(app, command)
+        assert res.exit_code == 2, (command, res.output)
+        assert res.stderr.strip().splitlines() == [res.stderr.strip()] and var in res.stderr
+        assert "Traceback" not in res.output
 
 
 def test_library_code_reads_none_of_the_variables():

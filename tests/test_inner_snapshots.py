@@ -52,13 +52,12 @@ def _checkpoints(cache: PrefixCache, prompt) -> dict[int, dict]:
     return out
 
 
-def _record(model, prompt, chunk, inside=True, monkeypatch=None):
+def _record(model, prompt, chunk, inside=True):
     cache = PrefixCache(model, CacheConfig(block_size=16, checkpoint_every=2, checkpoint_tail=2, checkpoint_tail_min=64))
-    if not inside:  # the stopping prefill of before: every state says it cannot keep snapshots inside
-        monkeypatch.setattr(ModelState, "snapshots_inside", property(lambda self: False))
-    Engine(model, EngineConfig(prefill_chunk_size=chunk), cache=cache).start(prompt).finish()
-    if not inside:
-        monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        if not inside:  # the stopping prefill of before: every state says it cannot keep snapshots inside
+            patch.setattr(ModelState, "snapshots_inside", property(lambda self: False))
+        Engine(model, EngineConfig(prefill_chunk_size=chunk), cache=cache).start(prompt).finish()
     return cache
 
 
@@ -73,7 +72,7 @@ def test_a_qwen_prefill_runs_in_its_own_chunks_and_keeps_every_checkpoint(monkey
         inside = _record(model, prompt, chunk=128)
     assert sizes == [128, 128, 44]  # no pass cut at a boundary
     with torch.no_grad():
-        stopped = _record(model, prompt, chunk=128, inside=False, monkeypatch=monkeypatch)
+        stopped = _record(model, prompt, chunk=128, inside=False)
     got, want = _checkpoints(inside, prompt), _checkpoints(stopped, prompt)
     assert len(got) >= 5 and got.keys() == want.keys()
     for end, pieces in want.items():

@@ -40,11 +40,15 @@ DB_HELP = ("workbench file: conversations and cached segments (default: $HCW_HOM
 def engine_config(dtype: str = "fp32", **given):
     """The EngineConfig a command runs with, the HCW_KV / HCW_KERNELS / HCW_NATIVE / HCW_STATIC
     variables mapped onto it; the command hands it to what it runs (EngineConfig.bind sets the KV
-    layout on the model it loads). The kernel choice is also made for the whole process."""
-    from engine.config import parse_dtype
+    layout on the model it loads). The kernel choice is also made for the whole process. A bad
+    value (a variable's, or the dtype) ends the command with one line, exit 2."""
+    from engine.config import ConfigError, parse_dtype
     from engine.engine_config import EngineConfig
     from kernels import dispatch
 
-    config = EngineConfig.from_env(os.environ, dtype=parse_dtype(dtype), **given)
+    try:
+        config = EngineConfig.from_env(os.environ, dtype=parse_dtype(dtype), **given)
+    except ConfigError as e:
+        fail(str(e))
     dispatch.select(config.kernels, config.native)
     return config

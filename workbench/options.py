@@ -38,6 +38,10 @@ CACHE_OPTIONS = ("block_size", "checkpoint_every", "checkpoint_tail", "sketch_ev
                  "replay_tolerance")
 
 
+def _chat_engine() -> EngineConfig:
+    return EngineConfig(prefill_chunk_size=CHAT_PREFILL_CHUNK, cache=CacheConfig())
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     model: str | Path = "hcw-tiny"
@@ -45,8 +49,7 @@ class ChatOptions:
     session: str | None = None  # a conversation id (or unique prefix) to resume
     # dtype and device come from the loaded model; its chunks are CHAT_PREFILL_CHUNK; `engine.cache`
     # is what the session builds its PrefixCache with
-    engine: EngineConfig = dataclasses.field(
-        default_factory=lambda: EngineConfig(prefill_chunk_size=CHAT_PREFILL_CHUNK, cache=CacheConfig()))
+    engine: EngineConfig = dataclasses.field(default_factory=_chat_engine)
     max_new_tokens: int = 256
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
     greedy: bool = True
@@ -71,7 +74,7 @@ class ChatOptions:
         given = {name: flat.pop(name) for name in CACHE_OPTIONS if name in flat}
         if device_budget_mb is not None:
             given["budget_bytes"] = device_budget_mb << 20
-        engine = flat.pop("engine", None) or cls.__dataclass_fields__["engine"].default_factory()
+        engine = flat.pop("engine", None) or _chat_engine()
         deterministic = engine.deterministic if deterministic is None else deterministic
         chunk = engine.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk_size
         cache = dataclasses.replace(engine.cache or CacheConfig(), **given, deterministic=deterministic)

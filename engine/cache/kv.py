@@ -12,18 +12,23 @@ import torch
 from engine.cache.states import Kind, Piece, StateObject
 
 
+class _SlicedByPosition:
+    """What KVState and PagedKVState share for ModelState.mark: every piece is a slice by
+    position, so a forward pass has nothing to keep at a boundary inside it."""
+
+    snapshots_inside: ClassVar[bool] = True
+
+    def mark(self, positions: tuple[int, ...]) -> None:
+        pass
+
+
 @dataclass
-class KVState:
+class KVState(_SlicedByPosition):
     """Keys and values of one full-attention layer, grown in place (amortised doubling)."""
 
     k: torch.Tensor  # [B, Hkv, capacity, D]
     v: torch.Tensor  # [B, Hkv, capacity, D]
     length: int = 0
-
-    snapshots_inside: ClassVar[bool] = True  # every piece is a slice by position: nothing to keep
-
-    def mark(self, positions: tuple[int, ...]) -> None:
-        """(ModelState.mark: a KV state needs no snapshots kept during a forward pass.)"""
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 256) -> KVState:
@@ -112,7 +117,7 @@ def kv_layout(choice: str, device) -> str:
 
 
 @dataclass
-class PagedKVState:
+class PagedKVState(_SlicedByPosition):
     """Keys and values of one full-attention layer in blocks of PAGE positions.
 
     The pools are [N, Hkv, PAGE, D]; sequence b's j-th block is pool block j * B + b, so growing
@@ -127,11 +132,6 @@ class PagedKVState:
     lengths: torch.Tensor  # [B] int32: positions held, the same for every sequence
     length: int = 0
     at: torch.Tensor | None = None  # static decode (engine/static_decode.py): the new token's position, [1] long
-
-    snapshots_inside: ClassVar[bool] = True  # every piece is a slice by position: nothing to keep
-
-    def mark(self, positions: tuple[int, ...]) -> None:
-        """(ModelState.mark: a KV state needs no snapshots kept during a forward pass.)"""
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 256) -> PagedKVState:
