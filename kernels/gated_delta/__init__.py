@@ -3,8 +3,8 @@
 Both forms dispatch (kernels.dispatch): the Triton kernel on CUDA, the torch reference on CPU or
 with kernels "reference". `chunk_gated_delta_at` is the chunked form that also yields the state
 at given offsets inside the sequence (the prefix cache's boundary snapshots), so the model's
-forward pass need not stop there: the rule's scan yields them (or, off the chunk grid, runs
-piece by piece between them); nothing else in the pass changes.
+forward pass need not stop there: the reference's scan yields them on its own chunk grid, so the
+pass computes what it computes without them.
 """
 
 from collections.abc import Sequence
@@ -31,22 +31,17 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None):
     return reference.chunk_gated_delta(q, k, v, g, beta, initial_state)
 
 
-ALIGNED = reference.CHUNK  # cuts a multiple of the reference's chunk apart cost its scan nothing
-
-
 def chunk_gated_delta_at(q, k, v, g, beta, initial_state=None, cuts: Sequence[int] = ()):
     """(o, final state, [the state after token c for each c in cuts]; cuts strictly inside the
-    sequence, increasing). Cuts a multiple of the reference's chunk apart are taken from one scan
-    padded at its front so that each ends a chunk (the same values up to rounding); others run
-    the rule over the pieces between them, each state then to the bit the one a call that ended
-    there returns."""
+    sequence, increasing). The reference takes them from its one scan, on the chunk grid it runs
+    without cuts (o and the final state those of `chunk_gated_delta` to the bit; a state at a cut
+    inside a chunk equal up to rounding to what a call ending there returns). The Triton kernel
+    runs the rule over the pieces between the cuts."""
     t = q.shape[1]
     if any(not 0 < c < t for c in cuts) or list(cuts) != sorted(set(cuts)):
         raise ValueError(f"cuts must increase strictly inside the sequence (0, {t}), got {list(cuts)}")
-    if cuts and not use_triton(q, k, v) and len({c % ALIGNED for c in cuts}) == 1:
-        # every cut ends a chunk of the reference's scan (the cache's boundaries, a multiple of its
-        # chunk apart): one pass, the states taken where the scan has them
-        return reference.chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts, ALIGNED)
+    if not use_triton(q, k, v):
+        return reference.chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts)
     outs, states, state = [], [], initial_state
     for lo, hi in zip([0, *cuts], [*cuts, t]):
         o, state = chunk_gated_delta(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state)

@@ -102,42 +102,39 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = CH
 
 def chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts, chunk_size: int = CHUNK,
                                block_chunks: int = 16):
-    """`chunk_gated_delta` that also returns the state after each of `cuts` (offsets inside the
-    sequence, all congruent modulo `chunk_size`): the sequence is padded at its front so that
-    each cut ends a chunk, where the scan has the state anyway; no extra pass."""
+    """`chunk_gated_delta` that also returns the state after each of `cuts` (offsets strictly
+    inside the sequence, increasing), from the same scan on the same chunk grid: the output and
+    final state are those of `chunk_gated_delta` to the bit, and a cut inside a chunk costs one
+    product over the chunk's tokens before it (`_chunk_block`), never a pass of its own."""
     out_dtype = v.dtype
     b, t, h, dv = v.shape
     dk = k.shape[-1]
     c = chunk_size
-    # padded tokens carry beta = 0 (no write) and g = 0 (no decay): the state is unchanged by them
-    lead = (-cuts[0]) % c if cuts else 0
-    if any((lead + cut) % c for cut in cuts):
-        raise ValueError(f"cuts {list(cuts)} are not congruent modulo the chunk size {c}")
-    pad = (-(lead + t)) % c
+    pad = (-t) % c
     groups = h // k.shape[2]
-    q, k = (_chunked(x, c, pad, groups, lead) for x in (q, k))
-    v, g, beta = (_chunked(x, c, pad, 1, lead) for x in (v, g, beta))
+    q, k = (_chunked(x, c, pad, groups) for x in (q, k))
+    v, g, beta = (_chunked(x, c, pad, 1) for x in (v, g, beta))
     n = q.shape[0]
     s = _initial(initial_state, b, h, dk, dv, v.device)
-    emit = [(lead + cut) // c - 1 for cut in cuts]  # the chunks whose end is a cut
+    emit = [divmod(cut - 1, c) for cut in cuts]  # (chunk, offset of the cut's last token in it)
     # without autograd, written in place; under it (training the tiny models), out of place
     out = None if torch.is_grad_enabled() else torch.empty(n, b, h, c, dv, dtype=torch.float32, device=v.device)
     blocks, states = [], []
     for lo in range(0, n, block_chunks):
         hi = min(lo + block_chunks, n)
         o, s = _chunk_block(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], s, None if out is None else out[lo:hi],
-                            [i - lo for i in emit if lo <= i < hi], states)
+                            [(i - lo, j) for i, j in emit if lo <= i < hi], states)
         blocks.append(o)
     out = torch.cat(blocks) if out is None else out
-    out = out.permute(1, 0, 3, 2, 4).reshape(b, n * c, h, dv)  # [B, lead + T + pad, H, Dv]
-    return (out[:, lead:lead + t] if lead or pad else out).to(out_dtype), s, states
+    out = out.permute(1, 0, 3, 2, 4).reshape(b, n * c, h, dv)  # [B, T + pad, H, Dv]
+    return (out[:, :t] if pad else out).to(out_dtype), s, states
 
 
-def _chunked(x: torch.Tensor, c: int, pad: int, groups: int, lead: int = 0) -> torch.Tensor:
-    """[B, T, H, *D] -> [N, B, H * groups, C, *D] in float32, contiguous, zero-padded to whole
-    chunks (`lead` zeros before the sequence, `pad` after)."""
-    if pad or lead:
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (lead, pad))
+def _chunked(x: torch.Tensor, c: int, pad: int, groups: int) -> torch.Tensor:
+    """[B, T, H, *D] -> [N, B, H * groups, C, *D] in float32, contiguous, zero-padded after the
+    sequence to whole chunks."""
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
     x = x.float().unflatten(1, (-1, c)).movedim(1, 0).transpose(2, 3)  # [N, B, H, C, *D], a view
     if groups == 1:
         return x.contiguous()
@@ -149,7 +146,9 @@ def _chunked(x: torch.Tensor, c: int, pad: int, groups: int, lead: int = 0) -> t
 
 def _chunk_block(q, k, v, g, beta, s, out: torch.Tensor | None, emit=(), states=None):
     """Chunk-major inputs [N, B, H, C, D], state s [B, H, Dk, Dv] -> (out [N, B, H, C, Dv], new state);
-    the state after each chunk in `emit` is appended to `states`.
+    for each (chunk i, offset j) in `emit`, in order, the state after token j of chunk i is
+    appended to `states`: S0 exp(gam_j) + sum over t <= j of exp(gam_j - gam_t) k_t u_t^T, the
+    chunk-end update cut at j (at j = C - 1, the chunk-end state itself).
 
     Given `out`, the products are formed in place and the output written into it; without
     (under autograd, which cannot differentiate through that) the same arithmetic runs out of place."""
@@ -185,6 +184,9 @@ def _chunk_block(q, k, v, g, beta, s, out: torch.Tensor | None, emit=(), states=
 
     s = s.reshape(b * h, dk, dv)
     outs = []
+    cuts: dict[int, list[int]] = {}
+    for i, j in emit:
+        cuts.setdefault(i, []).append(j)
     for i in range(n):  # batched over B * H: fused multiply-adds, no broadcasting matmuls
         if differentiable:
             u = torch.baddbmm(u_free[i].reshape(-1, c, dv), u_state[i].reshape(-1, c, dk), s, alpha=-1)
@@ -193,7 +195,14 @@ def _chunk_block(q, k, v, g, beta, s, out: torch.Tensor | None, emit=(), states=
             u = u_free[i].view(-1, c, dv).baddbmm_(u_state[i].view(-1, c, dk), s, alpha=-1)
             o = torch.bmm(q_decayed[i].view(-1, c, dk), s, out=out[i].view(-1, c, dv))
             o.baddbmm_(attn[i].view(-1, c, c), u)
+        for j in cuts.get(i, ()):
+            if j < c - 1:  # inside the chunk: from the state before it and the chunk's u
+                gam_i = gam[i].reshape(-1, c)  # [B * H, C]
+                to_j = _exp(gam_i[:, j:j + 1] - gam_i[:, :j + 1])  # [B * H, j + 1]
+                k_to_j_t = (k[i].reshape(-1, c, dk)[:, :j + 1] * to_j[..., None]).transpose(-1, -2)
+                states.append(torch.baddbmm(s * _exp(gam_i[:, j]).view(-1, 1, 1), k_to_j_t,
+                                            u[:, :j + 1]).view(b, h, dk, dv))
         s = torch.baddbmm(s * chunk_decay[i].view(-1, 1, 1), k_to_end_t[i].reshape(-1, dk, c), u)
-        if i in emit:
+        if c - 1 in cuts.get(i, ()):
             states.append(s.view(b, h, dk, dv))
     return torch.stack(outs).view(n, b, h, c, dv) if differentiable else out, s.view(b, h, dk, dv)
