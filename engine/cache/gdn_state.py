@@ -143,9 +143,11 @@ class GDNState:
             self.norm = torch.full_like(self.norm, 0.0 if seq_len == 0 else float("inf"))
 
     def _forget_stats_before(self, pos: int) -> None:
-        """Segments are exported in order, once: what precedes the last export is not needed again."""
+        """Segments are exported in order, once: what precedes the last export is not needed again.
+        A view, not a copy: the rows after it keep their room to grow into, and the next growth
+        (`_stats_rows`) copies only the rows still used."""
         if pos > self.stats_start:
-            self.stats = self.stats[:, pos - self.stats_start:self.stats_end - self.stats_start].clone()
+            self.stats = self.stats[:, pos - self.stats_start:]
             self.stats_start = pos
 
     def nbytes(self) -> int:
