@@ -50,11 +50,11 @@ def test_a_paged_state_holds_what_the_dense_one_holds(chunks):
 
 
 def test_the_block_table_names_each_sequences_blocks_in_order_and_survives_growth():
-    """Sequence b's j-th block is pool block j*B+b: the table says so, and a pool that grows keeps
-    every block where it was (the kernels are handed the table, not this rule)."""
+    """Sequence b's j-th block is pool block runs[j] + b: the table says so, and a pool that grows
+    keeps every block where it was (the kernels are handed the table, not this rule)."""
     _, paged = _filled([PAGE * 2 + 1])
-    blocks = paged.table.shape[1]
-    assert paged.table.dtype == torch.int32 and paged.k_pool.shape[0] == blocks * 2
+    assert paged.table.dtype == torch.int32 and paged.table.shape == (2, 3)
+    assert paged.table.tolist() == [[r + b for r in paged.runs] for b in range(2)]
     for b in range(2):
         for j in range(3):
             block = int(paged.table[b, j])
@@ -65,8 +65,9 @@ def test_the_block_table_names_each_sequences_blocks_in_order_and_survives_growt
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 @pytest.mark.parametrize("n", [100, PAGE, 2 * PAGE + 1])
 def test_assemble_and_export_move_whole_blocks_through_the_segment_kernels(monkeypatch, kernels, n):
-    """Segments arrive (assemble: one scatter of whole blocks) and leave (export: one gather, then
-    cut) through kernels.segments: the torch reference, or Triton (the interpreter on CPU)."""
+    """Segments that are not views of the pool arrive (assemble: copied into blocks of its own) and
+    leave (export of a range that is no whole block: one gather through kernels.segments, the
+    torch reference or Triton, the interpreter on CPU, then cut)."""
     dense, paged = _filled([n])
     dispatch.select(kernels)
     pieces = [paged.export(lo, min(lo + 16, n))["kv"].data for lo in range(0, n, 16)]

@@ -1,15 +1,20 @@
 """Full attention's state: exact keys and values for every position, in one buffer (KVState) or in
-fixed-size blocks of a pool through a block table (PagedKVState, the paged-attention kernels'
-layout); `kv_layout` picks one (EngineConfig.kv_layout)."""
+blocks of the layer's pool, shared with every other state and the prefix cache, through a block
+table (PagedKVState, the paged-attention kernels' layout; block_pool.py); `kv_layout` picks one
+(EngineConfig.kv_layout)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from engine.cache.block_pool import PAGE, BlockPool, release_runs
 from engine.cache.states import Kind, Piece, StateObject
+
+__all__ = ["PAGE", "KVState", "PagedKVState", "kv_layout"]
 
 
 class _SlicedByPosition:
@@ -100,15 +105,12 @@ class KVState(_SlicedByPosition):
         return KVState(k, v, seq_len)
 
 
-PAGE = 64  # positions per block of a paged KV state (a power of two: the Triton kernels tile by it)
-
-
 def kv_layout(choice: str, device) -> str:
     """How full-attention layers keep keys and values (EngineConfig.kv_layout): dense (one buffer
-    per layer, read by scaled_dot_product_attention), paged (a block pool and a block table, read by
-    the paged-attention kernels: Triton on CUDA, their torch reference elsewhere), or auto: paged on
-    CUDA, dense elsewhere, where the reference's per-sequence gather costs more than one contiguous
-    buffer."""
+    per layer, read by scaled_dot_product_attention), paged (blocks of the layer's pool shared by
+    every state and the prefix cache, through a block table: a hit maps cached blocks, read by the
+    paged-attention kernels on CUDA, gathered for SDPA elsewhere), or auto: paged on CUDA, dense
+    elsewhere, where a gather per step costs more than one contiguous buffer (docs/BENCHMARKS.md)."""
     if choice == "auto":
         return "paged" if torch.device(device).type == "cuda" else "dense"
     if choice not in ("dense", "paged"):
@@ -116,62 +118,122 @@ def kv_layout(choice: str, device) -> str:
     return choice
 
 
-@dataclass
 class PagedKVState(_SlicedByPosition):
-    """Keys and values of one full-attention layer in blocks of PAGE positions.
+    """Keys and values of one full-attention layer in blocks of a `BlockPool` (block_pool.py).
 
-    The pools are [N, Hkv, PAGE, D]; sequence b's j-th block is pool block j * B + b, so growing
-    the pool appends blocks and never moves a sequence's earlier ones, and the blocks of one
-    position range form one [B, ...] slab that a write fills with a single strided copy. `table`
-    ([B, M] int32) and `lengths` ([B] int32) are the kernels' view of the same thing. Everything the
-    cache sees (objects, export, assemble) is the same as KVState's: pieces are dense either way."""
+    `runs` names, per page of positions, the first of `batch` consecutive pool blocks (sequence b's
+    j-th block is runs[j] + b), so the blocks of one position range form one [B, ...] slab that a
+    write fills with a single strided copy and a piece views without copying. `table` ([B, M]
+    int32) and `lengths` ([B] int32) are the kernels' view of the same thing. The state holds each
+    of its runs once, released when it is collected; it writes only at positions >= length, and
+    copies a block first when another holder shares it.
 
-    k_pool: torch.Tensor  # [N, Hkv, PAGE, D], N = M * B
-    v_pool: torch.Tensor
-    table: torch.Tensor  # [B, M] int32
-    lengths: torch.Tensor  # [B] int32: positions held, the same for every sequence
-    length: int = 0
-    at: torch.Tensor | None = None  # static decode (engine/static_decode.py): the new token's position, [1] long
+    What the cache sees is KVState's: pieces are [B, Hkv, n, D] tensors; `export` of one whole
+    page is a view of its blocks (the piece then holds them), of any other range a copy; `assemble`
+    maps the blocks of pieces that are views of its pool and copies the rest in."""
+
+    def __init__(self, pool: BlockPool, batch: int):
+        self.pool = pool
+        self.batch = batch
+        self.runs: list[int] = []
+        self.length = 0
+        self.at: torch.Tensor | None = None  # static decode (engine/static_decode.py): the new token's position, [1] long
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=pool.k.device)  # positions held, per sequence
+        self.table = _table(self.runs, batch, pool.k.device)
+        weakref.finalize(self, release_runs, pool, self.runs, batch)
 
     @classmethod
-    def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 256) -> PagedKVState:
-        blocks = -(-capacity // PAGE)
-        pools = [torch.empty(blocks * batch, heads, PAGE, head_dim, dtype=dtype, device=device) for _ in range(2)]
-        return cls(*pools, _table(batch, blocks, device), torch.zeros(batch, dtype=torch.int32, device=device))
+    def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 0,
+              pool: BlockPool | None = None) -> PagedKVState:
+        """A state with no positions, in `pool` (a pool of its own when None), blocks for
+        `capacity` positions reserved."""
+        state = cls(pool or BlockPool(heads, head_dim, dtype, device), batch)
+        state.reserve(capacity)
+        return state
 
     @property
-    def batch(self) -> int:
-        return self.table.shape[0]
+    def k_pool(self) -> torch.Tensor:  # [N, Hkv, page, D]
+        return self.pool.k
+
+    @property
+    def v_pool(self) -> torch.Tensor:
+        return self.pool.v
+
+    @property
+    def page(self) -> int:
+        return self.pool.page
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write [B, Hkv, T, D] at positions length..length+T-1 (the kernels then read them)."""
+        self._write(k_new, v_new)
+        self.pool.written += 2 * k_new.numel() * k_new.element_size()
+
+    def _write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         end = self.length + k_new.shape[2]
         self.reserve(end)
-        b = self.batch
-        for pool, new in ((self.k_pool, k_new), (self.v_pool, v_new)):
-            slabs = pool.view(-1, b, *pool.shape[1:])  # [M, B, Hkv, PAGE, D]
+        b, page = self.batch, self.page
+        for pool, new in ((self.pool.k, k_new), (self.pool.v, v_new)):
             at = self.length
             while at < end:
-                j, lo = divmod(at, PAGE)
-                hi = min(PAGE, lo + end - at)
-                slabs[j, :, :, lo:hi] = new[:, :, at - self.length:at - self.length + hi - lo]
+                j, lo = divmod(at, page)
+                hi = min(page, lo + end - at)
+                first = self.runs[j]
+                pool[first:first + b, :, lo:hi] = new[:, :, at - self.length:at - self.length + hi - lo]
                 at += hi - lo
         self.length = end
         self.lengths.fill_(end)
 
     def write_at(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Static decode: [B, Hkv, 1, D] written at the position `at` holds and `lengths` set past
-        it, all in tensors (the caller keeps `length` and has made sure the block exists)."""
-        block = self.table.index_select(1, torch.div(self.at, PAGE, rounding_mode="floor"))[:, 0].long()  # [B]
-        offset = self.at % PAGE
-        self.k_pool[block, :, offset] = k_new[:, :, 0]
-        self.v_pool[block, :, offset] = v_new[:, :, 0]
+        it, all in tensors (the caller keeps `length` and has reserved the block)."""
+        block = self.table.index_select(1, torch.div(self.at, self.page, rounding_mode="floor"))[:, 0].long()  # [B]
+        offset = self.at % self.page
+        self.pool.k[block, :, offset] = k_new[:, :, 0]
+        self.pool.v[block, :, offset] = v_new[:, :, 0]
         self.lengths.copy_(self.at + 1)
 
     def reserve(self, end: int) -> None:
-        """Blocks through position end-1 (static decode reserves ahead: it must never grow the pools)."""
-        if end > self.table.shape[1] * PAGE:
-            self._grow(end)
+        """Blocks of its own through position end-1: the block holding position `length` copied
+        first if another holder shares it (static decode reserves ahead: it never allocates in a step)."""
+        b, page, changed = self.batch, self.page, False
+        j = self.length // page
+        if j < len(self.runs) and self.pool.shared(self.runs[j]):
+            own = self.pool.alloc(b)
+            self.pool.copy(self.runs[j], own, b, self.length - j * page)
+            self.pool.release(self.runs[j], b)
+            self.runs[j], changed = own, True
+        while len(self.runs) * page < end:
+            self.runs.append(self.pool.alloc(b))
+            changed = True
+        if changed:
+            self.table = _table(self.runs, b, self.pool.k.device)
+
+    def room(self, end: int) -> None:
+        """Blocks of its own for positions up to end-1 (KVState.room's counterpart)."""
+        self.reserve(end)
+
+    def slab(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [B, Hkv, page, D] blocks holding `position` (room made first), for a kernel to write
+        into at position % page; not views the cache keeps."""
+        first = self.runs[position // self.page]
+        return self.pool.k[first:first + self.batch], self.pool.v[first:first + self.batch]
+
+    def written(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count the t positions a kernel wrote into `slab`s after the held ones; return all keys
+        and values so far, gathered (KVState.written's counterpart)."""
+        end = self.length + t
+        if end > len(self.runs) * self.page:
+            raise IndexError(f"{t} positions written past the {len(self.runs)} blocks held")
+        self.length = end
+        self.lengths.fill_(end)
+        self.pool.written += 2 * t * self.batch * self.pool.k[0, :, 0].numel() * self.pool.k.element_size()
+        return self._dense(0, end)
+
+    def _map(self, first: int) -> None:
+        """Take the run (whole blocks some piece holds) as this state's next page: shared, not copied."""
+        self.pool.share(first, self.batch)
+        self.runs.append(first)
+        self.table = _table(self.runs, self.batch, self.pool.k.device)
 
     def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, end) as dense [B, Hkv, end, D] copies (a replay reads them)."""
@@ -184,58 +246,72 @@ class PagedKVState(_SlicedByPosition):
         gathered out of the pool (kernels.segments.gather: Triton on CUDA), then cut to the range."""
         from kernels.segments import gather
 
-        b, first, last = self.batch, lo // PAGE, -(-hi // PAGE)
-        ids = self.table[:, first:last].flatten().clone()  # b's blocks in order, aligned (kernels check)
+        b, page = self.batch, self.page
+        first, last = lo // page, -(-hi // page)
+        ids = self.table[:, first:last].t().flatten().clone()  # page by page, each its B blocks (kernels check)
         out = []
-        for pool in (self.k_pool, self.v_pool):
-            blocks = gather(pool, ids, trusted=True).view(b, last - first, *pool.shape[1:])  # [B, m, Hkv, PAGE, D]
-            run = blocks.transpose(1, 2).reshape(b, pool.shape[1], -1, pool.shape[3])
-            cut = run[:, :, lo - first * PAGE:hi - first * PAGE]
+        for pool in (self.pool.k, self.pool.v):
+            blocks = gather(pool, ids, trusted=True).view(last - first, b, *pool.shape[1:])  # [m, B, Hkv, page, D]
+            run = blocks.permute(1, 2, 0, 3, 4).reshape(b, pool.shape[1], (last - first) * page, pool.shape[3])
+            cut = run[:, :, lo - first * page:hi - first * page]
             out.append(cut if cut.shape[2] == run.shape[2] else cut.clone())  # no view pinning the rest
         return out[0], out[1]
 
-    def _grow(self, needed: int) -> None:
-        blocks = max(-(-needed // PAGE), 2 * self.table.shape[1])
-        b = self.batch
-        for name in ("k_pool", "v_pool"):
-            old = getattr(self, name)
-            new = torch.empty(blocks * b, *old.shape[1:], dtype=old.dtype, device=old.device)
-            new[: old.shape[0]] = old  # block j * B + b keeps its id
-            setattr(self, name, new)
-        self.table = _table(b, blocks, self.table.device)
-
     def nbytes(self) -> int:
-        per_pos = self.batch * self.k_pool.shape[1] * self.k_pool.shape[3] * self.k_pool.element_size()
+        per_pos = self.batch * self.pool.k.shape[1] * self.pool.k.shape[3] * self.pool.k.element_size()
         return 2 * per_pos * self.length
 
     def objects(self, layer: int, seq_len: int) -> list[StateObject]:
-        shape = (2, self.batch, self.k_pool.shape[1], self.length, self.k_pool.shape[3])
+        shape = (2, self.batch, self.pool.k.shape[1], self.length, self.pool.k.shape[3])
         return [StateObject(layer, Kind.KV, shape, True, (0, self.length), self.nbytes(), self.length)]
 
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
+        """A whole page held: a view of its blocks, which it holds until the piece lets go; any
+        other range: a copy."""
+        page = self.page
+        if lo % page == 0 and hi - lo == page and hi <= self.length:
+            return {Kind.KV: Piece(True, self.pool.view(self.runs[lo // page], self.batch))}
         return {Kind.KV: Piece(True, self._dense(lo, hi))}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> PagedKVState:
-        """A state holding the pieces' first seq_len positions, written into its pool's blocks at
-        once (kernels.segments.scatter: Triton on CUDA)."""
-        from kernels.segments import scatter
-
-        b, heads, d = self.batch, self.k_pool.shape[1], self.k_pool.shape[3]
-        state = PagedKVState.empty(b, heads, d, self.k_pool.dtype, self.k_pool.device, capacity=max(seq_len, 1))
-        m = -(-seq_len // PAGE)
-        ids = state.table[:, :m].flatten().clone()
-        for pool, i in ((state.k_pool, 0), (state.v_pool, 1)):
-            run = torch.cat([p[i] for p in pieces[Kind.KV]], dim=2)[:, :, :seq_len]
-            if seq_len % PAGE:  # the last block's unused positions: never read (lengths stops before them)
-                run = torch.cat([run, run.new_zeros(b, heads, m * PAGE - seq_len, d)], dim=2)
-            blocks = run.reshape(b, heads, m, PAGE, d).transpose(1, 2).reshape(b * m, heads, PAGE, d)
-            scatter(pool, ids, blocks, trusted=True)
+        """A state in this one's pool holding the pieces' first seq_len positions: a piece that is
+        a view of the pool's blocks at a page's start is mapped into the table (no copy), the others
+        are copied into blocks of its own (counted in `pool.copied`)."""
+        parts = pieces[Kind.KV]
+        held = sum(p[0].shape[2] for p in parts)
+        if held < seq_len:
+            raise ValueError(f"the pieces hold {held} positions, not {seq_len}")
+        state = PagedKVState(self.pool, self.batch)
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # pieces to copy, written together
+        at = 0
+        for k, v in parts:
+            if at >= seq_len:
+                break
+            first = self.pool.owns(k, v)
+            if first is not None and at % self.page == 0 and k.shape[2] == self.page and k.shape[0] == self.batch:
+                state._copy_in(pending)
+                state._map(first)
+                state.length = at + self.page
+            else:
+                pending.append((k[:, :, :seq_len - at], v[:, :, :seq_len - at]))
+            at += k.shape[2]
+        state._copy_in(pending)
+        # a mapped page may run past seq_len: the next write there copies it first (reserve)
         state.length = seq_len
         state.lengths.fill_(seq_len)
         return state
 
+    def _copy_in(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not pending:
+            return
+        k = pending[0][0] if len(pending) == 1 else torch.cat([p[0] for p in pending], dim=2)
+        v = pending[0][1] if len(pending) == 1 else torch.cat([p[1] for p in pending], dim=2)
+        self._write(k, v)
+        self.pool.copied += 2 * k.numel() * k.element_size()
+        pending.clear()
 
-def _table(batch: int, blocks: int, device) -> torch.Tensor:
-    """[B, M] int32: sequence b's j-th block is pool block j * B + b."""
-    ids = torch.arange(blocks * batch, dtype=torch.int32, device=device)
-    return ids.view(blocks, batch).t().contiguous()
+
+def _table(runs: list[int], batch: int, device) -> torch.Tensor:
+    """[B, M] int32: sequence b's j-th block is runs[j] + b."""
+    first = torch.tensor(runs, dtype=torch.int32).view(1, -1)
+    return (first + torch.arange(batch, dtype=torch.int32).view(-1, 1)).to(device)

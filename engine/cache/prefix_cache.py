@@ -123,6 +123,7 @@ class PrefixCache:
         self.lower = lower
         self.persisted: dict[bytes, int] = {}  # key -> record version last saved to the lower tier
         self.model = model
+        model.use_kv_page(self.config.block_size)  # a segment a whole block: saved and hit without a copy
         self.template = model.new_state()
         # the layout of the KV states it assembles (its model's when it was made); None: no full attention
         kinds = {type(s) for s in self.template.layers} & {KVState, PagedKVState}

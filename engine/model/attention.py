@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cache.block_pool import PAGE, BlockPool
 from engine.cache.kv import KVState, PagedKVState, kv_layout
 from engine.config import ModelConfig
 from engine.model import cpu_attention
@@ -13,6 +14,7 @@ from engine.model.direct import Linear
 from engine.model.fused import FusedLinear
 from engine.model.norm import RMSNorm
 from engine.model.rope import Rotary
+from kernels.dispatch import use_triton
 from kernels.native import attn_decode as native_decode
 from kernels.paged_attention import paged_decode, paged_prefill
 
@@ -35,17 +37,27 @@ class GatedAttention(nn.Module):
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
     kv_choice = "auto"  # EngineConfig.kv_layout, set through HybridModel.use_kv_layout
+    kv_page = PAGE  # positions per block of a paged state: the prefix cache's block size (HybridModel.use_kv_page)
 
     def new_state(self, batch: int, dtype, device) -> KVState | PagedKVState:
-        kind = PagedKVState if kv_layout(self.kv_choice, device) == "paged" else KVState
-        return kind.empty(batch, self.n_kv, self.head_dim, dtype, device)
+        if kv_layout(self.kv_choice, device) == "paged":
+            return PagedKVState.empty(batch, self.n_kv, self.head_dim, dtype, device, pool=self.kv_pool(dtype, device))
+        return KVState.empty(batch, self.n_kv, self.head_dim, dtype, device)
+
+    def kv_pool(self, dtype, device) -> BlockPool:
+        """The block pool every paged state of this layer shares (and so the cache's pieces of them),
+        one per page size, dtype and device."""
+        pools = self.__dict__.setdefault("_kv_pools", {})
+        key = (self.kv_page, dtype, torch.device(device))
+        if key not in pools:
+            pools[key] = BlockPool(self.n_kv, self.head_dim, dtype, device, self.kv_page)
+        return pools[key]
 
     def forward(self, x: torch.Tensor, state: KVState | PagedKVState | None, start: int) -> torch.Tensor:
         b, t, _ = x.shape
         hd = self.head_dim
         proj = self.qkv_proj(x)
-        if (t == 1 and type(state) is KVState and state.length == start
-                and native_decode.applies(proj, state.k, state.v)):
+        if t == 1 and state is not None and state.length == start and self._native(proj, state):
             return self._native_step(proj, state, start)
         qg, k, v = self.qkv_proj.split(proj)
         q, gate = qg.reshape(b, t, self.n_heads, 2 * hd).split(hd, dim=-1)
@@ -62,15 +74,28 @@ class GatedAttention(nn.Module):
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
 
-    def _native_step(self, proj: torch.Tensor, state: KVState, start: int) -> torch.Tensor:
+    def _native(self, proj: torch.Tensor, state) -> bool:
+        """Whether a decode token takes kernels/native: a dense state, or a paged one read without
+        the Triton kernels (not under static decode, whose positions are tensors)."""
+        if type(state) is KVState:
+            return native_decode.applies(proj, state.k, state.v)
+        return (type(state) is PagedKVState and state.at is None and not use_triton(proj, state.k_pool)
+                and native_decode.applies(proj, state.k_pool, state.v_pool))
+
+    def _native_step(self, proj: torch.Tensor, state: KVState | PagedKVState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/attn_decode.c (norms, rotation, gate, the KV
-        write: the arithmetic of the torch path above in one call), then SDPA over the cache."""
+        write: the arithmetic of the torch path above in one call), then SDPA over the cache (a
+        paged state's blocks gathered for it)."""
         b, hd, m = proj.shape[0], self.head_dim, self._modules  # (dicts: no nn.Module.__getattr__)
         state.room(start + 1)
+        if type(state) is KVState:
+            k_buf, v_buf, at = state.k, state.v, start
+        else:
+            (k_buf, v_buf), at = state.slab(start), start % state.page
         cos, sin = self.rotary.rows(start, hd, torch.float32, proj.device)
         q_norm = m["q_norm"]
         q, gate = native_decode.prepare(proj, q_norm.scale(), m["k_norm"].scale(), cos, sin, self.rotary.rotary_dim,
-                                        state.k, state.v, start, self.n_heads, q_norm.eps)
+                                        k_buf, v_buf, at, self.n_heads, q_norm.eps)
         k, v = state.written(1)
         o = _causal_attention(q, k, v, start)  # [B, H, 1, D]
         return m["o_proj"](o.reshape(b, 1, self.n_heads * hd) * gate)
@@ -95,7 +120,13 @@ class GatedAttention(nn.Module):
 def _paged_attention(q: torch.Tensor, state: PagedKVState, end: int | None = None) -> torch.Tensor:
     """q [B, H, T, D] for positions end-T..end-1 (end: the state's length unless given), their
     keys already in the pool, attending causally through the block table: [B, H, T, D]. The
-    state built its table itself, so the kernels trust it (checking it would synchronise)."""
+    state built its table itself, so the kernels trust it (checking it would synchronise). Without
+    the Triton kernels, the blocks are gathered once and attended to as the dense layout does
+    (the reference's per-sequence float32 scores cost several times more)."""
+    if state.at is None and not use_triton(q, state.k_pool):  # (a static step's positions are tensors)
+        n = state.length if end is None else end
+        k, v = state.read(n)
+        return _causal_attention(q, k, v, n - q.shape[2])
     lengths = state.lengths if end is None or end == state.length else torch.full_like(state.lengths, end)
     pools = (state.k_pool, state.v_pool, state.table, lengths)
     if q.shape[2] == 1:

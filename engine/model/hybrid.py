@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.kv import KVState, PagedKVState, kv_layout
+from engine.cache.kv import PAGE, KVState, PagedKVState, kv_layout
 
 from engine.cache.states import ModelState
 from engine.config import V4_KINDS, ModelConfig
@@ -120,6 +120,15 @@ class HybridModel(nn.Module):
         for blk in self.layers:
             if isinstance(blk.mixer, GatedAttention):
                 blk.mixer.kv_choice = choice
+
+    def use_kv_page(self, positions: int) -> None:
+        """Blocks of `positions` for the paged states made from now on (the prefix cache's block size,
+        so that a segment is a whole block it can share); one that is no power of two of at least 16
+        (the Triton kernels' smallest tile) keeps PAGE, and its segments are copied."""
+        page = positions if positions >= 16 and positions & (positions - 1) == 0 else PAGE
+        for blk in self.layers:
+            if isinstance(blk.mixer, GatedAttention):
+                blk.mixer.kv_page = page
 
     def new_state(self, batch: int = 1) -> ModelState:
         return ModelState([blk.mixer.new_state(batch, self.dtype, self.device) for blk in self.layers])

@@ -1,0 +1,162 @@
+"""BlockPool: one full-attention layer's keys and values for every request state and the prefix
+cache of one model, in blocks of `page` positions, each with a reference count (vLLM's block
+table and block manager, one pool per layer, on the CPU too).
+
+    pool.k  [N, Hkv, page, D]  (pool.v alike)
+              ┌────┬────┬────┬────┬────┐
+    block     │ 0  │ 1  │ 2  │ 3  │ 4  │
+    refs      │ 3  │ 3  │ 1  │ 1  │ 0  │     4: free
+              └────┴────┴────┴────┴────┘
+    request A  runs [0, 1, 2]    wrote 0-2; its saved segments 0, 1 are views of blocks 0, 1 (+1 each)
+    request B  runs [0, 1, 3]    a hit on segments 0-1: blocks mapped (+1 each), not copied; B
+                                 writes only past its length, into block 3, its own
+
+Who holds a reference: a state, one for each block in its table (released when the state is
+collected), and each view `view` hands out (a cached piece's data, released when the view is
+collected): so the state table's drops, evictions, rollbacks and demotions unpin by letting go
+of a piece, without knowing about blocks, and a piece queued for the disk tier keeps its blocks
+until it is written. A block with more than one reference never changes (rule 3: not under a
+reader): a state about to write into such a block copies it first (copy on write), and a state
+never writes below its length, so a whole block it saved is never written again.
+
+Blocks are allocated in runs of `batch` consecutive ones (a batch's sequences' blocks for one
+range of positions: a [B, Hkv, page, D] slab, the shape of a piece). The pool grows by doubling
+and moves the views it handed out onto the new storage, so no view holds an old pool alive.
+`copied` and `written` count the bytes that went into blocks: keys and values copied from ones
+held elsewhere (a copy on write, a piece not of this pool) and new positions' keys and values.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+PAGE = 64  # positions per block unless told (a power of two: the Triton kernels tile by it)
+
+
+class BlockPool:
+    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, page: int = PAGE):
+        if page < 1:
+            raise ValueError(f"a block of {page} positions")
+        self.page = page
+        # (never inference tensors: a pool made under an engine's inference mode is written outside it too)
+        with torch.inference_mode(False):
+            self.k = torch.empty(0, heads, page, head_dim, dtype=dtype, device=device)  # [N, Hkv, page, D]
+            self.v = torch.empty_like(self.k)
+        self.refs: list[int] = []  # per block ever allocated; blocks past it are spare capacity
+        self.free: list[int] = []  # blocks whose count fell to 0
+        self.copied = 0
+        self.written = 0
+        self._views: dict[int, weakref.ref] = {}  # id -> each view handed out and alive
+        # a piece may be let go on another thread (the write-behind tier's, once it is written)
+        self._lock = threading.RLock()
+
+    @property
+    def block_bytes(self) -> int:
+        """Keys and values of one block."""
+        return 2 * self.k[0].numel() * self.k.element_size()
+
+    def blocks_in_use(self) -> int:
+        return sum(1 for r in self.refs if r)
+
+    def alloc(self, n: int = 1) -> int:
+        """A run of n consecutive blocks held once (by the caller); returns its first block."""
+        with self._lock:
+            return self._alloc(n)
+
+    def _alloc(self, n: int) -> int:
+        if n == 1 and self.free:
+            first = self.free.pop()
+        else:
+            first = len(self.refs)
+            self.refs.extend([0] * n)
+            if len(self.refs) > self.k.shape[0]:
+                self._grow(len(self.refs))
+        for i in range(first, first + n):
+            self.refs[i] = 1
+        return first
+
+    def share(self, first: int, n: int = 1) -> None:
+        """One more holder of the run (a hit mapping it, a view of it)."""
+        with self._lock:
+            for i in range(first, first + n):
+                if self.refs[i] < 1:
+                    raise ValueError(f"block {i} is free: nothing to share")
+                self.refs[i] += 1
+
+    def release(self, first: int, n: int = 1) -> None:
+        with self._lock:
+            for i in range(first, first + n):
+                self.refs[i] -= 1
+                if self.refs[i] == 0:
+                    self.free.append(i)
+                elif self.refs[i] < 0:
+                    raise ValueError(f"block {i} released more often than it was held")
+
+    def shared(self, first: int) -> bool:
+        return self.refs[first] > 1
+
+    def view(self, first: int, n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The run's keys and values, [n, Hkv, page, D] each, not copies: each holds the run until it
+        is collected."""
+        with self._lock:
+            return self._view(first, n)
+
+    def _view(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = (self.k[first:first + n], self.v[first:first + n])
+        for t in out:
+            self.share(first, n)
+            self._views[id(t)] = weakref.ref(t)
+            weakref.finalize(t, self._collected, id(t), first, n)
+        return out
+
+    def _collected(self, key: int, first: int, n: int) -> None:
+        with self._lock:
+            del self._views[key]
+            self.release(first, n)
+
+    def _handed_out(self, t: torch.Tensor) -> bool:
+        ref = self._views.get(id(t))
+        return ref is not None and ref() is t
+
+    def owns(self, k: torch.Tensor, v: torch.Tensor) -> int | None:
+        """The first block of the run that k and v are `view`s of, as handed out (whole blocks of
+        this pool, both of one run); None for any other tensors."""
+        if not (self._handed_out(k) and self._handed_out(v)) or k.shape != v.shape:
+            return None
+        size = self.k[0].numel()
+        first = k.storage_offset() // size
+        if v.storage_offset() != k.storage_offset() or k.storage_offset() % size:
+            return None
+        return first
+
+    def copy(self, src: int, dst: int, n: int, positions: int) -> None:
+        """The first `positions` of run src's blocks into run dst's (a copy on write)."""
+        for pool in (self.k, self.v):
+            pool[dst:dst + n, :, :positions] = pool[src:src + n, :, :positions]
+        self.copied += 2 * n * self.k[0, :, :positions].numel() * self.k.element_size()
+
+    def _grow(self, needed: int) -> None:
+        cap = max(needed, 2 * self.k.shape[0], 16)
+        moved = {}
+        with torch.inference_mode(False), torch.no_grad():
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = torch.empty(cap, *old.shape[1:], dtype=old.dtype, device=old.device)
+                new[: old.shape[0]] = old  # block i keeps its number
+                moved[old.untyped_storage().data_ptr()] = new
+                setattr(self, name, new)
+            for ref in list(self._views.values()):
+                t = ref()
+                new = None if t is None else moved.get(t.untyped_storage().data_ptr())
+                if new is not None:
+                    t.set_(new.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def release_runs(pool: BlockPool, runs: list[int], batch: int) -> None:
+    """A state's hold on its blocks, let go when it is collected."""
+    for first in runs:
+        pool.release(first, batch)
+    runs.clear()
