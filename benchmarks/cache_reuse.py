@@ -127,10 +127,10 @@ def main() -> None:
     lines = [f"Block size {BLOCK}; {convs} conversations x {turns} turns sharing a 300-token system prompt; every",
              "third turn edits the previous one (a branch); 16 generated tokens per turn; fp32 CPU. Hit rates are",
              "shares of all prompt tokens; TTFT is the summed time to first token, relative to no cache. Every",
-             "turn is checked against a cold prefill. TTFT includes recording each turn's checkpoints (prefill",
-             "stops at every kept boundary and copies the state there): at these tiny widths that recording costs",
-             "about as much as the prefill it saves, so hcw, which keeps more checkpoints than the SGLang-style",
-             "policy (that is what buys its higher usable hit rate), can show a higher TTFT.", ""]
+             "turn is checked against a cold prefill. TTFT includes recording each turn's checkpoints (copies of",
+             "the state at every kept boundary, taken inside the forward pass): at these tiny widths that recording",
+             "can cost about as much as the prefill it saves, so hcw, which keeps more checkpoints than the",
+             "SGLang-style policy (that is what buys its higher usable hit rate), can show a higher TTFT.", ""]
     for name, path in models.items():
         model = load_model(path, device="cpu")
         requests = trace(4096, convs, turns)

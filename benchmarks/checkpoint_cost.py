@@ -1,8 +1,8 @@
 """What keeping checkpoints costs a prefill (issue 25): a prompt prefilled with no cache, with a
 cache that keeps a GDN snapshot at every boundary taken inside the forward pass (the engine's
-way for Gated DeltaNet layers), and the same with the prefill stopped at every such boundary (the
-way before, still the way for DeepSeek-V4-kind layers), interleaved in one process. Goal: every
-boundary's snapshots cost a prefill <= 5% more than none, at 4K and 16K.
+way for every layer kind), and the same with the prefill stopped at every such boundary (the way
+before), interleaved in one process. Goal: every boundary's snapshots cost a prefill <= 5% more
+than none, at 4K and 16K.
 
     python benchmarks/checkpoint_cost.py
     python benchmarks/checkpoint_cost.py --quick --no-write

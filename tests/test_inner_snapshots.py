@@ -1,7 +1,6 @@
 """Checkpoints without prefill stops (issue 25 item 1): a Gated DeltaNet layer keeps its state at
 each boundary the cache asks for inside one forward pass, so a Qwen3.5-style prefill runs in the
-chunks it would run without a cache; a DeepSeek-V4-kind layer cannot yet, and its prefill still
-ends a chunk at each such boundary."""
+chunks it would run without a cache (DeepSeek-V4-kind layers: tests/test_v4_inner_snapshots.py)."""
 
 from __future__ import annotations
 
@@ -15,15 +14,11 @@ from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.model.hybrid import HybridModel
-from engine.model.random_init import hcw_hybrid_dict, init_random, qwen3_5_text_dict
+from engine.model.random_init import init_random, qwen3_5_text_dict
 
 
 def _qwen():
     return init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))), 0).eval()
-
-
-def _hybrid():
-    return init_random(HybridModel(ModelConfig.from_dict(hcw_hybrid_dict(hidden=64))), 1).eval()
 
 
 def _prompt(n, seed=0):
@@ -122,14 +117,3 @@ def test_the_conv_state_kept_inside_is_the_last_inputs_before_the_boundary(monke
         assert torch.equal(conv, inputs[:, k:k + layer.kernel - 1].transpose(1, 2))
         assert (conv - states[end].conv).abs().max().item() <= 1e-6
         assert (recurrent - states[end].recurrent).abs().max().item() <= 1e-5
-
-
-def test_a_v4_prefill_still_stops_at_its_checkpoints(monkeypatch):
-    model = _hybrid()
-    assert not model.new_state().snapshots_inside
-    sizes = _counting(model, monkeypatch)
-    with torch.no_grad():
-        _record(model, _prompt(300), chunk=128)
-    assert len(sizes) > 3 and max(sizes) <= 128 and sum(sizes) == 300
-    with pytest.raises(ValueError, match="cannot keep snapshots inside"):
-        model.new_state().mark((16,))

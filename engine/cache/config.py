@@ -29,9 +29,8 @@ class CacheConfig:
     checkpoint_branch_point: bool = True  # keep the first boundary a request wrote (where it left the cache)
     checkpoint_tail: int = 3  # and every one of the last K boundaries before the prompt's end (an edit near it) ...
     # ... of a request that computes at least this many prompt tokens: each kept boundary costs its
-    # snapshots' copies and, with DeepSeek-V4-kind layers, a prefill stop (a chunk's attention over
-    # the whole cache runs less efficiently in smaller pieces), so only long prompt parts pay for them
-    # (docs/BENCHMARKS.md)
+    # snapshots' copies (taken inside the forward pass, no prefill stop), so only long prompt parts
+    # pay for them (docs/BENCHMARKS.md)
     checkpoint_tail_min: int = 4096
     # every K segments an int8 sketch of each GDN state (~1/4 of its bytes) where no exact
     # snapshot is kept: an approximate replay may restart from it instead of zero, its certified

@@ -1,9 +1,15 @@
 """DeepSeek-V4 attention's state: the sliding window, the compressor (compressed entries, the open
-tail, the overlap) and the indexer's keys (V4AttnState holds one layer's)."""
+tail, the overlap) and the indexer's keys (V4AttnState holds one layer's).
+
+Boundary snapshots inside a forward pass (the prefix cache's checkpoints, without ending a prefill
+chunk there): `mark` names positions strictly inside the next pass; the model keeps, at each, the
+window, tails and overlaps a pass ending there would leave, sliced from the projections the pass
+computes anyway (engine/model/v4_attention.py), and `export` at such a position hands them over.
+Compressed entries and index keys are slices by position: nothing to keep."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -18,6 +24,12 @@ class WindowState:
 
     kv: torch.Tensor
     end: int = 0  # the position after the newest stored entry
+    # the positions the next forward pass keeps the window at (`mark`), and the windows kept there
+    marks: tuple[int, ...] = ()
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mark(self, positions: tuple[int, ...]) -> None:
+        self.marks, self.kept = tuple(positions), {}
 
     @property
     def start(self) -> int:
@@ -30,7 +42,11 @@ class WindowState:
         return [per_token(layer, Kind.WINDOW, self.kv, self.start)]
 
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
-        return {Kind.WINDOW: Piece(False, self.kv.clone())} if snapshots else {}
+        if not snapshots:
+            return {}
+        # kept inside the last pass (nothing else holds or writes it: no copy), or the state's own
+        kept = self.kept.get(hi)
+        return {Kind.WINDOW: Piece(False, kept if kept is not None else self.kv.clone())}
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> WindowState:
         return WindowState(pieces[Kind.WINDOW].clone(), seq_len)
@@ -49,6 +65,13 @@ class CompressedState:
     tail_gate: torch.Tensor  # [B, r, C]: their gate logits (position bias not yet added)
     overlap_kv: torch.Tensor | None = None  # [B, m, D]
     overlap_gate: torch.Tensor | None = None  # [B, m, D] (position bias added)
+    # the positions the next forward pass keeps the tail and overlap at (`mark`), and those kept:
+    # position -> ((tail_kv, tail_gate), (overlap_kv, overlap_gate) or None), copies of their own
+    marks: tuple[int, ...] = ()
+    kept: dict[int, tuple] = field(default_factory=dict)
+
+    def mark(self, positions: tuple[int, ...]) -> None:
+        self.marks, self.kept = tuple(positions), {}
 
     @property
     def count(self) -> int:
@@ -78,13 +101,18 @@ class CompressedState:
         out = {entries: Piece(True, self.entries[:, lo // m: hi // m].clone())}
         if not snapshots:
             return out
-        out[tail] = Piece(False, (self.tail_kv.clone(), self.tail_gate.clone()))
+        # at hi: kept inside the last pass (copies nothing else holds or writes: handed over), or
+        # the state's own (copied: the state goes on)
+        kept = self.kept.get(hi)
+        if kept is None:
+            own = (self.overlap_kv, self.overlap_gate) if self.overlap_kv is not None else None
+            kept = (self.tail_kv.clone(), self.tail_gate.clone()), clone_tree(own)
+        out[tail] = Piece(False, kept[0])
         if self.overlapping:
             # before the first window closes there is no overlap: stored as zero-length slices, so a
             # piece is never None and a buffer check always has a shape and dtype to hold it to
             empty = self.entries[:, :0]
-            pair = (self.overlap_kv, self.overlap_gate) if self.overlap_kv is not None else (empty, empty)
-            out[overlap] = Piece(False, clone_tree(pair))
+            out[overlap] = Piece(False, kept[1] if kept[1] is not None else (empty.clone(), empty.clone()))
         return out
 
     def for_replay(self, pieces: dict[str, object], prefix: str = "") -> CompressedState:
@@ -115,13 +143,15 @@ class V4AttnState:
     # from the cache) are read, never appended; the window, tails and overlaps are rebuilt
     replay_end: int | None = None
 
-    # the window, the open tails and the overlap at an inner position are not kept yet: a prefill
-    # over a V4 layer still ends a chunk at each boundary whose snapshots the cache keeps
-    snapshots_inside: ClassVar[bool] = False
+    # the window, the open tails and the overlaps at a marked position are kept by each part
+    snapshots_inside: ClassVar[bool] = True
 
     def mark(self, positions: tuple[int, ...]) -> None:
-        if positions:
-            raise ValueError("a DeepSeek-V4 layer cannot keep snapshots inside a forward pass")
+        """Keep the window, tails and overlaps at these positions during the next forward pass (what
+        was kept before is dropped)."""
+        for part in (self.window, self.compressor, self.indexer):
+            if part is not None:
+                part.mark(positions)
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in (self.window, self.compressor, self.indexer) if s is not None)

@@ -14,7 +14,10 @@ query at position t and compress rate m:
 
 Everything remembered between calls lives in a V4AttnState passed in by the caller. A Tail-Replay
 (state.replay_end set) reads the cached compressed entries and indexer keys, exact, and rebuilds
-only what a boundary snapshot would hold: the window, the open tails and the overlaps.
+only what a boundary snapshot would hold: the window, the open tails and the overlaps. At each
+position `mark`ed inside a pass, those three are kept as a pass ending there would leave them:
+slices of the pass's own projections (with the state's from before the pass where they reach
+back), so the prefix cache's checkpoints cost no stop of the prefill and no extra forward work.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class Compressor(nn.Module):
             kv = torch.cat([state.tail_kv, kv], dim=1)
             gate = torch.cat([state.tail_gate, gate], dim=1)
             first = state.count * self.rate
+            if state.marks:  # before the pass replaces the state's overlap, which a mark may keep
+                self._keep(state, kv, gate, first, first + kv.shape[1] - x.shape[1])
         usable = kv.shape[1] // self.rate * self.rate
         if state is not None:
             state.tail_kv, state.tail_gate = kv[:, usable:].clone(), gate[:, usable:].clone()
@@ -91,6 +96,25 @@ class Compressor(nn.Module):
         if n:
             state.entries = torch.cat([state.entries, new], dim=1)
         return state.entries
+
+    def _keep(self, state: CompressedState, kv, gate, first: int, begin: int) -> None:
+        """At each mark inside the pass that begins at `begin` (kv, gate: the projections of
+        positions first.., the state's tail then the pass's), the tail and overlap a pass ending
+        there leaves: the open window's rows, and the last closed window's first series with its
+        position bias (the state's own when that window closed before the pass). Copies: a view
+        would hold the pass's whole projection in the cache."""
+        m, d = self.rate, self.dim
+        for p in state.marks:
+            if not begin < p < first + kv.shape[1]:
+                continue
+            cut = p // m * m - first  # the open window's first row
+            tail = kv[:, cut:p - first].clone(), gate[:, cut:p - first].clone()
+            overlap = None
+            if self.overlap and cut >= m:
+                overlap = kv[:, cut - m:cut, :d].clone(), gate[:, cut - m:cut, :d] + self.ape[:, :d]
+            elif self.overlap and state.overlap_kv is not None:
+                overlap = state.overlap_kv.clone(), state.overlap_gate.clone()
+            state.kept[p] = tail, overlap
 
     def rebuild_tail(self, x: torch.Tensor, state: CompressedState, start: int) -> None:
         """Tail-Replay of positions [start, start + T) with the entries already cached: advance only
@@ -220,11 +244,16 @@ class V4Attention(nn.Module):
             keys = torch.cat([state.window.kv, kv], dim=1)
             key_start = start - state.window.kv.shape[1]
             keep = max(self.window - 1, 0)
+            for p in state.window.marks:  # the window a pass ending at p leaves: a copy, not a view
+                if start < p < start + t:
+                    state.window.kept[p] = keys[:, max(p - key_start - keep, 0):p - key_start].clone()
             state.window.kv = keys[:, keys.shape[1] - min(keep, keys.shape[1]):].clone()
             state.window.end = start + t
 
         entries, selected = None, None
         replaying = state is not None and state.replay_end is not None
+        if replaying and any(start < p < start + t for p in state.window.marks):
+            raise ValueError("a Tail-Replay pass keeps no snapshots inside it")
         if self.compressor is not None and replaying:
             # Tail-Replay: the cached entries are exact and stay; only the open tails are rebuilt
             entries = state.compressor.entries
