@@ -99,6 +99,7 @@ def test_cancel_stops_the_child_and_keeps_the_partial_answer(model_dir, tmp_path
         seen: list[str] = []
         result = session.send(FACT, seen.append, lambda: bool(seen))  # stop once text has arrived
         assert result.stop_reason == "cancelled" and 0 < len(result.token_ids) < 20000
+        assert result.text.startswith("".join(seen))  # what streamed before the cancel, in order
         assert session.path()[-1].role == "assistant" and session.path()[-1].content == result.text
     finally:
         session.close()
@@ -152,4 +153,46 @@ def test_a_turn_result_that_cannot_be_sent_back_still_ends_the_turn():
     assert here.recv()[:2] == ("delta", "partial")
     kind, error, _ = here.recv()
     assert kind == "error" and "could not be sent back" in str(error)
+    here.close()
+
+
+@pytest.mark.parametrize("cancel_at", [None, 13])
+def test_the_child_batches_an_answers_text_and_sends_all_of_it_in_order(cancel_at):
+    """The child's turn thread sends one message per DELTA_INTERVAL_S, not one per token, and the
+    text still arrives whole and in order, the last batch before the reply, cancelled or not."""
+    import multiprocessing
+    import threading
+
+    from workbench.remote import DELTA_INTERVAL_S, _serve_turns
+
+    tokens, step = 60, DELTA_INTERVAL_S / 4.2  # about four tokens to a message
+    now = [0.0]
+    cancel = threading.Event()
+
+    class Stub:
+        conversation = thread = opts = None
+
+        def send(self, text, on_text, should_stop):
+            out = []
+            for i in range(tokens):
+                now[0] += step
+                out.append(f"w{i} ")
+                on_text(out[-1])
+                if i == cancel_at:
+                    cancel.set()  # as the app's Esc arrives
+                if should_stop():
+                    break
+            return "".join(out)
+
+    here, child = multiprocessing.Pipe()
+    threading.Thread(target=_serve_turns, args=(Stub(), child, cancel, lambda: now[0]), daemon=True).start()
+    here.send(("send", ("hi",)))
+    deltas = []
+    while (message := here.recv())[0] == "delta":
+        deltas.append(message[1])
+    kind, text, _ = message
+    assert kind == "ok" and "".join(deltas) == text
+    sent = tokens if cancel_at is None else cancel_at + 1
+    assert text.split() == [f"w{i}" for i in range(sent)]
+    assert 1 < len(deltas) <= sent // 4 + 1
     here.close()

@@ -1,10 +1,11 @@
 """The workbench's ChatSession in a child process: the TUI's process only draws.
 
-In one process, the UI thread's Python (laying out and drawing the streamed answer, ~7% of a core
-on hcw-tiny) holds the GIL that the generating thread needs between torch ops, and every time it
-does the decode waits: the TUI generated 8-18% slower than the plain REPL on hcw-tiny. In two
-processes they share nothing but the machine: 1.2-4.5% slower than the plain REPL in two full runs
-of benchmarks/tui_responsiveness.py.
+In one process, the UI thread's Python (laying out and drawing the streamed answer) holds the GIL
+that the generating thread needs between torch ops, and every time it does the decode waits. In
+two processes they share nothing but the machine (docs/BENCHMARKS.md, workbench responsiveness).
+The child does no IPC per token: it batches an answer's text deltas into one message per
+DELTA_INTERVAL_S (the app draws 5 times a second, workbench/tui/app.py STREAM_HZ), flushed before
+the turn's reply, cancelled or not, so the text arrives whole and in order.
 
 `RemoteSession` has the interface the app and the /commands use: every public ChatSession method
 (forwarded, with its exceptions re-raised here; `EngineProcessError` when the child is gone), `conversation`, `thread` and `opts` (refreshed from every reply;
@@ -31,7 +32,7 @@ from store.db import default_home
 from workbench.options import ChatOptions
 from workbench.session import ChatSession
 
-DELTA_INTERVAL_S = 0.02  # the child batches an answer's text deltas: at most one message per this long
+DELTA_INTERVAL_S = 0.05  # the child batches an answer's text deltas: at most one message per this long
 START_TIMEOUT_S = 600.0  # loading a model in the child
 
 
@@ -253,19 +254,21 @@ def _serve(opts: ChatOptions, turns, control, cancel) -> None:
             control.send(("error", _portable(e), _snapshot(session)))
 
 
-def _serve_turns(session: ChatSession, turns, cancel) -> None:
+def _serve_turns(session: ChatSession, turns, cancel, clock=time.monotonic) -> None:
+    """Answers each turn asked on `turns`, its text sent back batched (one message per
+    DELTA_INTERVAL_S of `clock` at most), then the turn's reply."""
     while True:
         try:
             name, args = turns.recv()
         except EOFError:
             return
         pending: list[str] = []
-        last = time.monotonic()
+        last = clock()
 
         def on_text(delta: str) -> None:
             nonlocal last
             pending.append(delta)
-            now = time.monotonic()
+            now = clock()
             if now - last >= DELTA_INTERVAL_S:
                 turns.send(("delta", "".join(pending)))
                 pending.clear()
