@@ -108,9 +108,10 @@ class KVState(_SlicedByPosition):
 def kv_layout(choice: str, device) -> str:
     """How full-attention layers keep keys and values (EngineConfig.kv_layout): dense (one buffer
     per layer, read by scaled_dot_product_attention), paged (blocks of the layer's pool shared by
-    every state and the prefix cache, through a block table: a hit maps cached blocks, read by the
-    paged-attention kernels on CUDA, gathered for SDPA elsewhere), or auto: paged on CUDA, dense
-    elsewhere, where a gather per step costs more than one contiguous buffer (docs/BENCHMARKS.md)."""
+    every state and the prefix cache, through a block table: a hit maps cached blocks, read in place
+    by the paged-attention kernels, Triton on CUDA and kernels/native on the CPU), or auto: paged on
+    CUDA, dense elsewhere, where the C decode kernel runs on one thread and SDPA over one buffer
+    spreads key-value heads over the threads (docs/BENCHMARKS.md, "Dense vs paged KV on the CPU")."""
     if choice == "auto":
         return "paged" if torch.device(device).type == "cuda" else "dense"
     if choice not in ("dense", "paged"):
@@ -218,16 +219,16 @@ class PagedKVState(_SlicedByPosition):
         first = self.runs[position // self.page]
         return self.pool.k[first:first + self.batch], self.pool.v[first:first + self.batch]
 
-    def written(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Count the t positions a kernel wrote into `slab`s after the held ones; return all keys
-        and values so far, gathered (KVState.written's counterpart)."""
+    def written(self, t: int) -> None:
+        """Count the t positions a kernel wrote into `slab`s after the held ones (KVState.written's
+        counterpart; the attention then reads them through the table)."""
         end = self.length + t
         if end > len(self.runs) * self.page:
             raise IndexError(f"{t} positions written past the {len(self.runs)} blocks held")
         self.length = end
         self.lengths.fill_(end)
-        self.pool.written += 2 * t * self.batch * self.pool.k[0, :, 0].numel() * self.pool.k.element_size()
-        return self._dense(0, end)
+        k = self.pool.k  # (its sizes, not a view of it: this runs every decode step)
+        self.pool.written += 2 * t * self.batch * k.shape[1] * k.shape[3] * k.element_size()
 
     def _map(self, first: int) -> None:
         """Take the run (whole blocks some piece holds) as this state's next page: shared, not copied."""

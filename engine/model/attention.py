@@ -16,6 +16,7 @@ from engine.model.norm import RMSNorm
 from engine.model.rope import Rotary
 from kernels.dispatch import use_triton
 from kernels.native import attn_decode as native_decode
+from kernels.native import paged_decode as native_paged
 from kernels.paged_attention import paged_decode, paged_prefill
 
 
@@ -84,8 +85,8 @@ class GatedAttention(nn.Module):
 
     def _native_step(self, proj: torch.Tensor, state: KVState | PagedKVState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/attn_decode.c (norms, rotation, gate, the KV
-        write: the arithmetic of the torch path above in one call), then SDPA over the cache (a
-        paged state's blocks gathered for it)."""
+        write: the arithmetic of the torch path above in one call), then SDPA over a dense cache,
+        `_paged_attention` over a paged one."""
         b, hd, m = proj.shape[0], self.head_dim, self._modules  # (dicts: no nn.Module.__getattr__)
         state.room(start + 1)
         if type(state) is KVState:
@@ -96,8 +97,12 @@ class GatedAttention(nn.Module):
         q_norm = m["q_norm"]
         q, gate = native_decode.prepare(proj, q_norm.scale(), m["k_norm"].scale(), cos, sin, self.rotary.rotary_dim,
                                         k_buf, v_buf, at, self.n_heads, q_norm.eps)
-        k, v = state.written(1)
-        o = _causal_attention(q, k, v, start)  # [B, H, 1, D]
+        if type(state) is KVState:
+            k, v = state.written(1)
+            o = _causal_attention(q, k, v, start)  # [B, H, 1, D]
+        else:
+            state.written(1)
+            o = _paged_attention(q, state)
         return m["o_proj"](o.reshape(b, 1, self.n_heads * hd) * gate)
 
     def _paged(self, q, k, v, state: PagedKVState, start: int) -> torch.Tensor:
@@ -121,14 +126,19 @@ def _paged_attention(q: torch.Tensor, state: PagedKVState, end: int | None = Non
     """q [B, H, T, D] for positions end-T..end-1 (end: the state's length unless given), their
     keys already in the pool, attending causally through the block table: [B, H, T, D]. The
     state built its table itself, so the kernels trust it (checking it would synchronise). Without
-    the Triton kernels, the blocks are gathered once and attended to as the dense layout does
-    (the reference's per-sequence float32 scores cost several times more)."""
+    the Triton kernels, a decode token takes kernels/native/paged_decode.c, which reads the blocks
+    in place; elsewhere the blocks are gathered once and attended to as the dense layout does (the
+    reference's per-sequence float32 scores cost several times more)."""
+    lengths = state.lengths if end is None or end == state.length else torch.full_like(state.lengths, end)
+    pools = (state.k_pool, state.v_pool, state.table, lengths)
+    if q.shape[2] == 1:
+        q1 = q.squeeze(2).contiguous()  # [B, H, D]
+        if native_paged.applies(q1, *pools):
+            return native_paged.paged_decode(q1, *pools).unsqueeze(2)
     if state.at is None and not use_triton(q, state.k_pool):  # (a static step's positions are tensors)
         n = state.length if end is None else end
         k, v = state.read(n)
         return _causal_attention(q, k, v, n - q.shape[2])
-    lengths = state.lengths if end is None or end == state.length else torch.full_like(state.lengths, end)
-    pools = (state.k_pool, state.v_pool, state.table, lengths)
     if q.shape[2] == 1:
         return paged_decode(q[:, :, 0].contiguous(), *pools, trusted=True).unsqueeze(2)
     return paged_prefill(q.transpose(1, 2).contiguous(), *pools, trusted=True).transpose(1, 2)

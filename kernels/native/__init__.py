@@ -3,7 +3,8 @@
 A decode step at the sizes hcw runs on a CPU is mostly dispatch: each torch op costs ~1-2 us
 whatever its size, and a Gated DeltaNet layer between its two projections is ~50 of them. The C
 here does that stretch in one call (through ctypes; no torch headers, so a build takes well under a
-second). Each kernel's reference is the torch path it replaces, which stays the path wherever the
+second); `paged_decode` attends through a block table where the torch path gathers the blocks
+first. Each kernel's reference is the torch path it replaces, which stays the path wherever the
 kernel does not apply (CUDA, other dtypes, kernels "reference") and which the tests compare it
 with. The choice is kernels/dispatch.py's `native` (EngineConfig.native; the CLI maps HCW_NATIVE):
 
@@ -67,8 +68,8 @@ def library(name: str) -> ctypes.CDLL | None:
     return lib
 
 
-def function(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
-    """`symbol` of the built `<name>.c` with its argument types set, or None as `library`."""
+def function(name: str, symbol: str, argtypes: list, restype=None) -> ctypes._CFuncPtr | None:
+    """`symbol` of the built `<name>.c` with its argument and result types set, or None as `library`."""
     key = (name, symbol)
     fn = _functions.get(key)
     if fn is None:
@@ -76,7 +77,7 @@ def function(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
         if lib is None:
             return None
         fn = getattr(lib, symbol)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, restype
         _functions[key] = fn
     elif mode() == "0":
         return None

@@ -1,0 +1,142 @@
+"""The C paged decode kernel (kernels/native/paged_decode.c) against the torch reference
+(kernels/paged_attention/reference.py), and a paged model's decode against the dense layout's.
+
+The tests run with HCW_NATIVE=1 (a machine where the kernel cannot be built fails them instead of
+testing the reference twice) and with launcher outputs poisoned with NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache.kv import PagedKVState
+from engine.config import ModelConfig
+from engine.model.hybrid import HybridModel
+from engine.model.random_init import hcw_hybrid_dict, init_random, qwen3_5_text_dict
+from kernels import dispatch
+from kernels.native import paged_decode as native_paged
+from kernels.paged_attention import reference
+
+
+@pytest.fixture(autouse=True)
+def _required(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
+    monkeypatch.setattr(dispatch, "poison_empty", True)
+    dispatch.select("auto", native="1")
+    yield
+    dispatch.select("auto", native="auto")
+
+
+def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def _inputs(batch, heads, kv_heads, head_dim, page, lengths, dtype, seed=42):
+    """Pools of random blocks, and tables whose rows name blocks out of order, the second row
+    sharing the first row's first blocks (a prefix-cache hit's table)."""
+    g = torch.Generator().manual_seed(seed)
+    need = max(-(-n // page) for n in lengths)
+    n_blocks = batch * need + 3
+    k_pool, v_pool = (torch.randn(n_blocks, kv_heads, page, head_dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    table = torch.stack([torch.randperm(n_blocks, generator=g)[:need + 1] for _ in range(batch)]).int()
+    if batch > 1:
+        table[1, :need // 2] = table[0, :need // 2]
+    return q, k_pool, v_pool, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (8, 2)], ids=["mha", "gqa2", "gqa4"])
+@pytest.mark.parametrize("head_dim", [64, 12], ids=["d64", "d12-scalar"])
+@pytest.mark.parametrize("lengths", [[1], [63], [500], [100, 37, 129]], ids=["len1", "len63", "len500", "three-seqs"])
+def test_the_kernel_matches_the_reference(dtype, tol, heads, kv_heads, head_dim, lengths):
+    """Odd lengths (1; 63 and 100 end mid-block; 500 over eight blocks), several sequences with
+    tables of their own, out of order and sharing blocks."""
+    args = _inputs(len(lengths), heads, kv_heads, head_dim, 64, lengths, dtype)
+    with torch.no_grad():
+        assert native_paged.applies(*args)
+        got = native_paged.paged_decode(*args)
+        expected = reference.paged_decode(*args)
+    assert got.dtype is dtype and got.shape == expected.shape
+    assert not got.isnan().any()
+    assert _rel(got, expected) <= tol
+
+
+@pytest.mark.parametrize("window", [1, 37, 64, 600], ids=["w1", "w37", "w64", "w600-past-the-start"])
+@pytest.mark.parametrize("page", [16, 64], ids=["page16", "page64"])
+def test_a_sliding_window_attends_to_its_last_positions_only(window, page):
+    args = _inputs(3, 4, 2, 32, page, [500, 63, 130], torch.float32, seed=7)
+    with torch.no_grad():
+        got = native_paged.paged_decode(*args, window=window)
+        expected = reference.paged_decode(*args, window=window)
+    assert _rel(got, expected) <= 1e-5
+
+
+def test_a_given_scale_and_peaked_scores():
+    """Scores spread over hundreds (the softmax's tail below float32's smallest normal)."""
+    q, k_pool, v_pool, table, lengths = _inputs(2, 4, 2, 32, 64, [300, 211], torch.float32, seed=3)
+    with torch.no_grad():
+        for scale in (0.05, 3.0):
+            got = native_paged.paged_decode(q * 4, k_pool, v_pool, table, lengths, scale=scale)
+            expected = reference.paged_decode(q * 4, k_pool, v_pool, table, lengths, scale=scale)
+            assert _rel(got, expected) <= 1e-5
+
+
+def test_a_bad_table_or_length_is_refused_before_anything_is_read():
+    q, k_pool, v_pool, table, lengths = _inputs(2, 4, 2, 16, 16, [40, 20], torch.float32)
+    with torch.no_grad():
+        bad = table.clone()
+        bad[1, 1] = k_pool.shape[0]  # past the pool, in a block the length reaches
+        with pytest.raises(ValueError, match="not in the pool"):
+            native_paged.paged_decode(q, k_pool, v_pool, bad, lengths)
+        bad[1, 1], bad[1, 2] = table[1, 1], -1  # a negative id past the length: never read
+        native_paged.paged_decode(q, k_pool, v_pool, bad, lengths)
+        with pytest.raises(ValueError, match="more blocks than the table"):
+            native_paged.paged_decode(q, k_pool, v_pool, table, torch.tensor([40, table.shape[1] * 16 + 1],
+                                                                             dtype=torch.int32))
+        with pytest.raises(ValueError, match="shapes disagree"):
+            native_paged.paged_decode(q, k_pool, v_pool[:, :, :, :8].contiguous(), table, lengths)
+
+
+def test_other_dtypes_layouts_and_forced_paths_stay_on_the_reference():
+    args = _inputs(1, 4, 2, 16, 16, [20], torch.float32)
+    q, k_pool, v_pool, table, lengths = args
+    with torch.no_grad():
+        assert native_paged.applies(*args)
+        assert not native_paged.applies(q.half(), k_pool.half(), v_pool.half(), table, lengths)
+        assert not native_paged.applies(q, k_pool.bfloat16(), v_pool.bfloat16(), table, lengths)
+        assert not native_paged.applies(q, k_pool, v_pool, table.long(), lengths)
+        assert not native_paged.applies(q.transpose(0, 1), k_pool, v_pool, table, lengths)
+        assert not native_paged.applies(q[:, :3], k_pool, v_pool, table, lengths)  # 3 heads over 2
+        dispatch.select("reference")
+        assert not native_paged.applies(*args)
+        dispatch.select("auto")
+    assert not native_paged.applies(*args)  # autograd on
+
+
+MODELS = {
+    "qwen3.5": lambda: qwen3_5_text_dict(hidden=128, layers=4),  # 2 query heads over 1, head dim 64
+    "hcw_hybrid": lambda: hcw_hybrid_dict(hidden=128, window=16),  # 4 over 2, head dim 32
+}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_paged_decode_gives_the_dense_layouts_logits(family, monkeypatch):
+    """A prefill ending mid-block, then decode steps across two block boundaries (page 64): every
+    step's logits with paged KV, its attention through the kernel, equal the dense layout's."""
+    model = init_random(HybridModel(ModelConfig.from_dict(MODELS[family]())), 0).eval()
+    ids = torch.randint(0, 263, (1, 150), generator=torch.Generator().manual_seed(11))
+    calls = []
+    real = native_paged.paged_decode
+    monkeypatch.setattr(native_paged, "paged_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = {}
+    with torch.no_grad():
+        for layout in ("dense", "paged"):
+            model.use_kv_layout(layout)
+            state = model.new_state()
+            steps = [model(ids[:, :50], state)] + [model(ids[:, i:i + 1], state) for i in range(50, ids.shape[1])]
+            logits[layout] = torch.cat(steps, dim=1)
+            assert any(isinstance(s, PagedKVState) for s in state.layers) == (layout == "paged")
+    n_attention = sum(t == "full_attention" for t in model.config.layer_types)
+    assert len(calls) == n_attention * (ids.shape[1] - 50)
+    assert (logits["paged"] - logits["dense"]).abs().max().item() <= 1e-5
