@@ -212,3 +212,74 @@ def test_hits_through_shared_blocks_equal_a_cold_prefill_and_survive_the_disk(fa
         assert (again.logits - want).abs().max().item() <= 1e-4
         again.finish()
         tier.close()
+
+
+def test_a_deep_copied_state_is_a_fork_that_shares_its_blocks_and_copies_before_writing():
+    """copy.deepcopy of a paged state (bench replay continues one prefix twice): the blocks holding
+    its positions are held once more, not copied; each fork's writes go to blocks of its own, so
+    neither sees the other's, and letting the fork go gives its blocks back."""
+    import copy
+
+    pool = _pool()
+    state = _filled(2 * PAGE + 5, pool, seed=3)
+    state.reserve(4 * PAGE)  # blocks reserved past its positions: the original's alone
+    before = state.read(2 * PAGE + 5)
+    fork = copy.deepcopy(state)
+    assert fork.runs == state.runs[:3] and [pool.refs[r] for r in state.runs] == [2, 2, 2, 1]
+    a, b = torch.randn(2, 1, H, 20, D, generator=torch.Generator().manual_seed(4))
+    fork.append(a, a)
+    state.append(b, b)
+    assert fork.runs[:2] == state.runs[:2] and fork.runs[2] != state.runs[2]  # the partial block, copied
+    for s, new in ((fork, a), (state, b)):
+        k, v = s.read(2 * PAGE + 25)
+        assert torch.equal(k[:, :, :2 * PAGE + 5], before[0]) and torch.equal(k[:, :, 2 * PAGE + 5:], new)
+        assert torch.equal(v[:, :, :2 * PAGE + 5], before[1])
+    runs = list(fork.runs)
+    del fork
+    gc.collect()
+    assert all(pool.refs[r] == 1 for r in state.runs) and all(pool.refs[r] == 0 for r in runs[2:])
+
+
+def test_a_deep_copied_paged_model_state_continues_as_the_original_does():
+    import copy
+
+    model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4))), 0).eval()
+    model.use_kv_layout("paged")
+    state = model.new_state()
+    with torch.inference_mode():
+        model(torch.arange(20), state)
+        forked = copy.deepcopy(state)
+        one = model(torch.tensor([7, 8]), state)
+        two = model(torch.tensor([7, 8]), forked)
+    assert torch.equal(one, two)
+
+
+def test_a_view_keeps_no_old_pool_alive_after_the_pool_grows():
+    """A handed-out view is moved onto the grown pool's storage and is no slice of the old pool
+    tensor, so the old storage is freed while the view lives on with its bytes."""
+    import weakref
+
+    pool = _pool()
+    state = _filled(PAGE, pool, seed=5)
+    k, v = state.export(0, PAGE)["kv"].data
+    saved = k.clone()
+    old = weakref.ref(pool.k)
+    grower = PagedKVState.empty(1, H, D, torch.float32, "cpu", pool=pool, capacity=40 * PAGE)
+    gc.collect()
+    assert old() is None and k._base is None
+    assert k.untyped_storage().data_ptr() == pool.k.untyped_storage().data_ptr() and torch.equal(k, saved)
+    del grower, v
+
+
+def test_freed_runs_of_a_batch_are_reused():
+    """A batch's blocks come in runs of B consecutive ones; runs let go are taken again, so
+    requests one after another keep the pool at the size one of them needs."""
+    pool = _pool()
+    for seed in range(20):
+        state = PagedKVState.empty(2, H, D, torch.float32, "cpu", pool=pool)
+        k = torch.randn(2, H, 4 * PAGE, D, generator=torch.Generator().manual_seed(seed))
+        state.append(k, k)
+        assert torch.equal(state.read(4 * PAGE)[0], k)
+        del state
+        gc.collect()
+    assert pool.k.shape[0] <= 16 and pool.blocks_in_use() == 0

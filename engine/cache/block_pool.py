@@ -67,9 +67,8 @@ class BlockPool:
             return self._alloc(n)
 
     def _alloc(self, n: int) -> int:
-        if n == 1 and self.free:
-            first = self.free.pop()
-        else:
+        first = self._free_run(n)
+        if first is None:
             first = len(self.refs)
             self.refs.extend([0] * n)
             if len(self.refs) > self.k.shape[0]:
@@ -77,6 +76,21 @@ class BlockPool:
         for i in range(first, first + n):
             self.refs[i] = 1
         return first
+
+    def _free_run(self, n: int) -> int | None:
+        """The first of n consecutive free blocks, taken off the free list (a batch's run must be
+        consecutive); None when the free list holds no such run."""
+        if len(self.free) < n:
+            return None
+        if n == 1:
+            return self.free.pop()
+        free = sorted(self.free)
+        for i in range(len(free) - n + 1):
+            if free[i + n - 1] - free[i] == n - 1:  # (the numbers are distinct: a run)
+                first = free[i]
+                self.free = [f for f in self.free if not first <= f < first + n]
+                return first
+        return None
 
     def share(self, first: int, n: int = 1) -> None:
         """One more holder of the run (a hit mapping it, a view of it)."""
@@ -105,7 +119,7 @@ class BlockPool:
             return self._view(first, n)
 
     def _view(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = (self.k[first:first + n], self.v[first:first + n])
+        out = (_based_on_nothing(self.k, first, n), _based_on_nothing(self.v, first, n))
         for t in out:
             self.share(first, n)
             self._views[id(t)] = weakref.ref(t)
@@ -153,6 +167,15 @@ class BlockPool:
                 new = None if t is None else moved.get(t.untyped_storage().data_ptr())
                 if new is not None:
                     t.set_(new.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def _based_on_nothing(pool: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """pool[first:first + n] on the pool's storage without being a view of the pool tensor: a
+    slice's `_base` would keep that tensor (and, after a growth, its old storage) alive for as long
+    as the slice lives, whatever `_grow` moves it onto."""
+    with torch.inference_mode(False), torch.no_grad():
+        t = torch.empty(0, dtype=pool.dtype, device=pool.device)
+        return t.set_(pool.untyped_storage(), first * pool[0].numel(), (n, *pool.shape[1:]), pool.stride())
 
 
 def release_runs(pool: BlockPool, runs: list[int], batch: int) -> None:

@@ -143,6 +143,22 @@ class PagedKVState(_SlicedByPosition):
         self.table = _table(self.runs, batch, pool.k.device)
         weakref.finalize(self, release_runs, pool, self.runs, batch)
 
+    def __deepcopy__(self, memo) -> PagedKVState:
+        """A fork (a deep copy of a ModelState, as bench replay takes to continue one prefix twice):
+        the blocks holding its positions, held once more, not copied; blocks reserved past them
+        stay the original's. Either state copies a shared block before writing into it (`reserve`)."""
+        fork = PagedKVState(self.pool, self.batch)
+        held = self.runs[:-(-self.length // self.page)]
+        for first in held:
+            self.pool.share(first, self.batch)
+        fork.runs.extend(held)  # (the list its finalizer releases)
+        fork.table = _table(fork.runs, self.batch, self.pool.k.device)
+        fork.length = self.length
+        fork.lengths.copy_(self.lengths)
+        fork.at = None if self.at is None else self.at.clone()
+        memo[id(self)] = fork
+        return fork
+
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, dtype, device, capacity: int = 0,
               pool: BlockPool | None = None) -> PagedKVState:
