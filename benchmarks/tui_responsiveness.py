@@ -106,8 +106,9 @@ async def _tui_turn(folder: Path, tokens: int, keys: int, remote: bool = True) -
     async with app.run_test(size=(160, 50)) as pilot:
         await _app_turn(app, pilot, *WARM_UP)
         wall, ui_cpu, end = await _app_turn(app, pilot, PROMPT, tokens)
-        n = len(app.last.token_ids) if app.last is not None else 0
-        timings = app.last.timings
+        if app.last is None or app.last.timings is None:
+            raise SystemExit("the timed turn left no answer: nothing to measure")
+        n, timings = len(app.last.token_ids), app.last.timings
         idle, streaming = [], []
         if keys:
             for _ in range(keys):
@@ -123,7 +124,7 @@ async def _tui_turn(folder: Path, tokens: int, keys: int, remote: bool = True) -
                 await asyncio.sleep(0.02)  # keys a fast typist's rate apart
         await pilot.pause()
         return {"tokens": n, "tokens_per_s": n / wall, "ui_cpu_share": ui_cpu / wall, "end_ms": 1000 * end,
-                "decode_per_s": timings.predicted_n / (timings.predicted_ms / 1000),
+                "decode_per_s": timings.predicted_n / (timings.predicted_ms / 1000) if timings.predicted_ms else 0.0,
                 "prefill_ms": timings.prompt_ms, "idle": idle, "streaming": streaming}
 
 
@@ -161,7 +162,7 @@ def _pct(value: float) -> str:
 
 
 def _spread(values: list[float]) -> str:
-    return f"{min(values):.0%} to {max(values):+.0%}".replace("-", "−")
+    return f"{min(values):+.0%} to {max(values):+.0%}".replace("-", "−")
 
 
 def main() -> None:
