@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import hf_reference as ref
+from test_inner_snapshots import _counting
 from engine import load_model
 from engine.cache.config import CacheConfig
 from engine.cache.prefix_cache import PrefixCache
@@ -151,18 +152,6 @@ def test_a_layer_keeps_what_a_pass_ending_at_each_mark_leaves(kind, window):
     assert "window full" in seen and ("window partial" in seen) == (window > 16)
     assert ("overlap from before the pass" in seen) == (kind == CSA)
     assert ({"tail empty", "tail partial"} <= seen) == (kind != SWA)
-
-
-def _counting(model, monkeypatch) -> list[int]:
-    """The token count of every forward pass the model runs."""
-    sizes = []
-    real = type(model).forward
-
-    def forward(self, input_ids, *args, **kwargs):
-        sizes.append(input_ids.shape[-1])
-        return real(self, input_ids, *args, **kwargs)
-    monkeypatch.setattr(type(model), "forward", forward)
-    return sizes
 
 
 def _record(model, prompt, block: int, chunk: int, inside: bool = True, **cache) -> PrefixCache:
