@@ -247,10 +247,10 @@ class PagedKVState(_SlicedByPosition):
         self.pool.written += 2 * t * self.batch * k.shape[1] * k.shape[3] * k.element_size()
 
     def _map(self, first: int) -> None:
-        """Take the run (whole blocks some piece holds) as this state's next page: shared, not copied."""
+        """Take the run (whole blocks some piece holds) as this state's next page: shared, not
+        copied (the caller remakes `table` once it has mapped them all)."""
         self.pool.share(first, self.batch)
         self.runs.append(first)
-        self.table = _table(self.runs, self.batch, self.pool.k.device)
 
     def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, end) as dense [B, Hkv, end, D] copies (a replay reads them)."""
@@ -313,6 +313,7 @@ class PagedKVState(_SlicedByPosition):
                 pending.append((k[:, :, :seq_len - at], v[:, :, :seq_len - at]))
             at += k.shape[2]
         state._copy_in(pending)
+        state.table = _table(state.runs, self.batch, self.pool.k.device)
         # a mapped page may run past seq_len: the next write there copies it first (reserve)
         state.length = seq_len
         state.lengths.fill_(seq_len)
