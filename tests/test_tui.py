@@ -724,6 +724,7 @@ def test_the_screen_is_up_before_the_engine_has_loaded_the_model(model_dir, tmp_
             while app.loading or app.busy or app.last is None:
                 await pilot.pause(0.05)
             assert app.last.message is not None and [m.content for m in app.session.path()][-2] == "hello"
+            assert "loaded: ready" in _logged(app)  # the log's "loading" line is not the last word
         bad = tmp_path / "bad"
         bad.mkdir()
         (bad / "config.json").write_text((model_dir / "config.json").read_text())

@@ -171,6 +171,8 @@ class ChatApp(App):
 
     def engine_ready(self) -> None:
         """The session exists: the panes show it, the timers start, the file's warnings are said."""
+        if self.loading:  # the log said it was loading: it says when that ended
+            self.log_line(f"{self.session.opts.model} loaded: ready")
         self.loading = False
         self.refresh_views(messages=True)
         self.set_interval(1.0, self.refresh_stats)
