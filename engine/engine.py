@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.batch_decode import decode_batch
 from engine.cache.kv import kv_layout
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.states import ModelState
@@ -198,6 +199,12 @@ class Engine:
             return decoder.step(token)[0]
         tokens = torch.tensor([[token]], dtype=torch.long, device=self.model.device)
         return self.model(tokens, state)[0, -1]
+
+    def decode_batch(self, tokens: Sequence[int], states: Sequence[ModelState]) -> torch.Tensor:
+        """One token for each of N independent sequences in one step (engine/batch_decode.py):
+        logits [N, vocab]; row i equals `decode(tokens[i], states[i])` up to float rounding. Always
+        the eager path, for one sequence too (the static decoder steps one sequence alone)."""
+        return decode_batch(self.model, tokens, states)
 
     def _static_decoder(self, state: ModelState) -> StaticDecoder | None:
         """The state's static decoder (engine/static_decode.py), made or re-made when it cannot take

@@ -55,9 +55,23 @@ class GatedAttention(nn.Module):
         return pools[key]
 
     def forward(self, x: torch.Tensor, state: KVState | PagedKVState | None, start: int) -> torch.Tensor:
-        b, t, _ = x.shape
+        return self.output(self.core(self.project(x), state, start))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, H*2D + 2*Hkv*D]: per query head its query then its gate, then
+        the keys, then the values; `core`'s input."""
+        return self._modules["qkv_proj"](x)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """`core`'s gated output [B, T, H*D] -> [B, T, hidden]."""
+        return self._modules["o_proj"](o)
+
+    def core(self, proj: torch.Tensor, state: KVState | PagedKVState | None, start: int) -> torch.Tensor:
+        """Everything between the two projections, the only part that reads or writes `state`: so
+        the rows of a batched decode step (engine/batch_decode.py) project together and attend
+        each over its own keys and values from its own position."""
+        b, t, _ = proj.shape
         hd = self.head_dim
-        proj = self.qkv_proj(x)
         if t == 1 and state is not None and state.length == start and self._native(proj, state):
             return self._native_step(proj, state, start)
         qg, k, v = self.qkv_proj.split(proj)
@@ -73,7 +87,7 @@ class GatedAttention(nn.Module):
                 k, v = state.append(k, v) if state.length == start else state.read(start + t)
             o = _causal_attention(q, k, v, start)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * hd)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
+        return o * torch.sigmoid(gate.reshape(b, t, -1))
 
     def _native(self, proj: torch.Tensor, state) -> bool:
         """Whether a decode token takes kernels/native: a dense state, or a paged one read without
@@ -86,7 +100,7 @@ class GatedAttention(nn.Module):
     def _native_step(self, proj: torch.Tensor, state: KVState | PagedKVState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/attn_decode.c (norms, rotation, gate, the KV
         write: the arithmetic of the torch path above in one call), then SDPA over a dense cache,
-        `_paged_attention` over a paged one."""
+        `_paged_attention` over a paged one; o_proj's input."""
         b, hd, m = proj.shape[0], self.head_dim, self._modules  # (dicts: no nn.Module.__getattr__)
         state.room(start + 1)
         if type(state) is KVState:
@@ -103,7 +117,7 @@ class GatedAttention(nn.Module):
         else:
             state.written(1)
             o = _paged_attention(q, state)
-        return m["o_proj"](o.reshape(b, 1, self.n_heads * hd) * gate)
+        return o.reshape(b, 1, self.n_heads * hd) * gate
 
     def _paged(self, q, k, v, state: PagedKVState, start: int) -> torch.Tensor:
         """Attention over a paged state: a static decode step (positions in tensors, `state.at`),

@@ -51,8 +51,21 @@ class GatedDeltaNet(nn.Module):
         return GDNState.zeros(batch, self.conv_dim, self.kernel, self.n_v, self.dk, self.dv, dtype, device)
 
     def forward(self, x: torch.Tensor, state: GDNState | None, start: int = 0) -> torch.Tensor:
-        b, t, _ = x.shape
-        proj = self.in_proj(x)
+        return self.output(self.core(self.project(x), state, start))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, C + Hv*Dv + 2*Hv]: qkv | z | b | a, `core`'s input."""
+        return self._modules["in_proj"](x)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """`core`'s output [B, T, Hv*Dv] -> [B, T, hidden]."""
+        return self._modules["out_proj"](o)
+
+    def core(self, proj: torch.Tensor, state: GDNState | None, start: int = 0) -> torch.Tensor:
+        """Everything between the two projections, the only part that reads or advances `state`:
+        so the rows of a batched decode step (engine/batch_decode.py) project together and run
+        this each on its own state."""
+        b, t, _ = proj.shape
         if t == 1 and state is not None and not state.static and native_decode.applies(proj, state.conv, state.recurrent):
             return self._native_step(proj, state, start)
         qkv, z, b_in, a_in = self.in_proj.split(proj)
@@ -82,8 +95,7 @@ class GatedDeltaNet(nn.Module):
                 state.recurrent.copy_(final)
             else:
                 state.recurrent = final
-        o = self.norm(o, z.reshape(b, t, self.n_v, self.dv)).reshape(b, t, -1)
-        return self.out_proj(o)
+        return self.norm(o, z.reshape(b, t, self.n_v, self.dv)).reshape(b, t, -1)
 
     def _keep(self, state: GDNState, start: int, cuts: list[int], inner: list[torch.Tensor],
               history: torch.Tensor, qkv: torch.Tensor) -> None:
@@ -98,7 +110,7 @@ class GatedDeltaNet(nn.Module):
 
     def _native_step(self, proj: torch.Tensor, state: GDNState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/gdn_decode.c: the same arithmetic as the torch
-        path above in one call instead of ~50 ops."""
+        path above in one call instead of ~50 ops; out_proj's input."""
         # parameters and submodules through their dicts: nn.Module.__getattr__ costs ~0.4 us a name
         params, norm = self._parameters, self._modules["norm"]
         step = native_decode.decode_step(
@@ -108,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         state.conv, state.recurrent = step.conv, step.recurrent
         if state.tracking:
             state.record(start, step.g, step.bv)
-        return self._modules["out_proj"](step.out.view(proj.shape[0], 1, -1))
+        return step.out.view(proj.shape[0], 1, -1)
 
     def _neg_a(self) -> torch.Tensor:
         """-exp(A_log) in float32: the decay rate softplus(a + dt_bias) is scaled by."""

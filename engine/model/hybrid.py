@@ -26,6 +26,7 @@ from engine.model.gdn import GatedDeltaNet
 from engine.model.hyper import HyperConnection, HyperHead
 from engine.model.mlp import MLP, SparseMoE, V4MoE
 from engine.model.norm import RMSNorm
+from engine.model.rows import Rows
 from engine.model.v4_attention import V4Attention
 
 
@@ -64,8 +65,11 @@ class Block(Direct, nn.Module):
         return self._modules[self.mixer_name]
 
     def forward(self, x: torch.Tensor, state, start: int, ids: torch.Tensor) -> torch.Tensor:
+        """`state` is this layer's state, or the `Rows` of a batched decode step (start unused)."""
         m = self._modules  # not through nn.Module.__getattr__ (~0.4 us a name, four a block a step)
-        x, h = m["post_attention_layernorm"].add_forward(x, m[self.mixer_name](m["input_layernorm"](x), state, start))
+        mixer, h = m[self.mixer_name], m["input_layernorm"](x)
+        x, h = m["post_attention_layernorm"].add_forward(
+            x, mixer(h, state, start) if type(state) is not Rows else state.mix(mixer, h))
         return x + m["mlp"](h, ids)
 
 
@@ -87,8 +91,11 @@ class HyperBlock(Direct, nn.Module):
         return self.attn
 
     def forward(self, streams: torch.Tensor, state, start: int, ids: torch.Tensor) -> torch.Tensor:
+        """`state` is this layer's state, or the `Rows` of a batched decode step (start unused)."""
         x, post, comb = self.hc_attn(streams)
-        streams = HyperConnection.merge(streams, self.attn(self.attn_norm(x), state, start), post, comb)
+        h = self.attn_norm(x)
+        mixed = self.attn(h, state, start) if type(state) is not Rows else state.mix(self.attn, h)
+        streams = HyperConnection.merge(streams, mixed, post, comb)
         x, post, comb = self.hc_ffn(streams)
         return HyperConnection.merge(streams, self.ffn(self.ffn_norm(x), ids), post, comb)
 
@@ -152,9 +159,7 @@ class HybridModel(nn.Module):
                 raise ValueError("rebuild_only is for a replay (replay_from) over a state")
             layers = 1 + max((i for i, s in enumerate(state.layers) if not isinstance(s, (KVState, PagedKVState))),
                              default=-1)
-        x = self.embed_tokens(input_ids)
-        if self.hc_head is not None:
-            x = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()  # [B, T, N, D]
+        x = self.embed(input_ids)
         for i, blk in enumerate(self.layers[:layers]):
             x = blk(x, None if state is None else state.layers[i], start, input_ids)
         if rebuild_only:
@@ -163,6 +168,17 @@ class HybridModel(nn.Module):
             state.seq_len += input_ids.shape[1]
         if last_only:
             x = x[:, -1:]
+        return self.head(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] ids -> the residual the first block takes: [B, T, D], or [B, T, hc_mult, D]."""
+        x = self.embed_tokens(input_ids)
+        if self.hc_head is not None:
+            x = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()  # [B, T, N, D]
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's residual -> logits [B, T, vocab]: streams collapsed, final norm, LM head."""
         if self.hc_head is not None:
             x = self.hc_head(x)
         return self.lm_head(self.norm(x))
