@@ -284,8 +284,9 @@ def chat(
     raise typer.Exit(workbench.return_code or 0)  # 1 when the engine's process died under it
 
 
-# the commands about models (and `hcw bench`), registered on `app` as their module is imported
+# the commands about models (and `hcw bench`) and `hcw serve`, registered on `app` as their module is imported
 import workbench.cli_models  # noqa: E402,F401
+import workbench.cli_serve  # noqa: E402,F401
 
 
 def main() -> None:

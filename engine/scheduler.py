@@ -1,0 +1,225 @@
+"""Continuous batching: requests join and leave a running batch at step boundaries.
+
+One thread owns the engine (its model, its cache and every request's state). Each turn of its
+loop it admits waiting requests while the batch has room — the cache's lookup, validation,
+recovery and the prefill of what is left (`Engine.start`), then the first sampled token — and
+then advances every running request by one token in one decode step. A request leaves the batch
+when it stops (an end token, its length, the context limit) or is cancelled (`Request.cancel`,
+heard between prefill chunks and at every step); leaving releases its cache admission ticket and
+its state. Nothing else touches the engine, so a lookup's plan is used by the same thread before
+any other request can evict or write: rule 3 (pinned from check to use) holds by construction,
+and rule 1 (the admission cap) counts the reuses of every request in the batch, since each holds
+its ticket until it leaves.
+
+Knows token ids only, as the engine does; text, HTTP and metrics are the caller's
+(workbench/serve). Per request it calls `on_token(id)` for each sampled token and `on_done(result)`
+once, both on the engine's thread: they must be quick and must not raise.
+
+    submit ─► waiting (bounded) ─► admit: Engine.start + first token ─► running ─► step ─► done
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.engine import Cancelled, Engine, Generation, Sampler, SamplingParams, Started, Timings
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's waiting queue holds its limit of requests."""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_token: Callable[[int], None] | None = None
+    on_done: Callable[[Generation | BaseException], None] | None = None
+    id: int = field(default_factory=itertools.count(1).__next__)
+    submitted: float = field(default_factory=time.perf_counter)
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def cancel(self) -> None:
+        """Stop this request at the next chunk or step boundary (any thread)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+
+class Running:
+    """A request in the batch: its started prompt, its sampler and what it has produced."""
+
+    def __init__(self, request: Request, run: Started, eos: tuple[int, ...], limit: int, prompt_ms: float,
+                 device: torch.device):
+        p = request.params
+        self.request, self.run = request, run
+        self.stops = set() if p.ignore_eos else set(p.stop_ids) | set(eos)
+        self.sampler = Sampler(p, device)
+        self.limit = limit
+        self.out: list[int] = []
+        self.logits = run.logits
+        self.prompt_logits = run.logits
+        self.timings = Timings(prompt_n=len(request.prompt_ids), prompt_ms=prompt_ms,
+                               cache_n=run.plan.usable_tokens if run.plan is not None else 0)
+        self.decode_t0 = time.perf_counter()
+        self.reason = ""
+
+    def sample(self) -> bool:
+        """Sample the next token from the last logits and hand it out; True when the request is done
+        (its reason set), the same checks in the same order as Engine.generate."""
+        token = self.sampler(self.logits)
+        self.out.append(token)
+        if self.request.on_token is not None:
+            self.request.on_token(token)
+        if token in self.stops:
+            self.reason = "stop"
+        elif self.request.cancelled:
+            self.reason = "cancelled"
+        elif len(self.out) == self.request.params.max_new_tokens:
+            self.reason = "length"
+        elif self.run.state.seq_len >= self.limit:
+            self.reason = "context"
+        return bool(self.reason)
+
+    def result(self) -> Generation:
+        self.timings.predicted_ms = 1000 * (time.perf_counter() - self.decode_t0)
+        self.timings.predicted_n = len(self.out)
+        return Generation(self.out, self.reason, self.timings, None, self.run.plan, self.prompt_logits,
+                          lookup=self.run.lookup)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError("max_batch and max_queue must be >= 1")
+        self.engine = engine
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.eos = tuple(engine.model.config.eos_token_ids)
+        self.waiting: queue.Queue[Request] = queue.Queue()
+        self.running: list[Running] = []
+        self.steps = 0  # decode steps run (each advances every running request by one token)
+        self.on_step: Callable[[Scheduler], None] | None = None  # after every decode step (metrics)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hcw-scheduler", daemon=True)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    @property
+    def queue_depth(self) -> int:
+        return self.waiting.qsize()
+
+    def start(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Cancel what runs and waits, and end the loop."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def submit(self, request: Request) -> Request:
+        if self._stop.is_set():
+            raise QueueFull("the scheduler is stopping")
+        if self.waiting.qsize() >= self.max_queue:
+            raise QueueFull(f"{self.max_queue} requests are waiting already")
+        self.engine.check_prompt(request.prompt_ids)  # PromptError now, not later on the engine's thread
+        self.waiting.put(request)
+        return request
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.running:
+                try:
+                    first = self.waiting.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._admit(first)
+            while len(self.running) < self.max_batch:
+                try:
+                    self._admit(self.waiting.get_nowait())
+                except queue.Empty:
+                    break
+            if self.running:
+                self._step()
+        for r in self.running:
+            r.request.cancel()
+            r.reason = "cancelled"
+            self._finish(r)
+        self.running.clear()
+        while not self.waiting.empty():
+            self._fail(self.waiting.get_nowait(), Cancelled("the server is stopping"))
+
+    def _admit(self, request: Request) -> None:
+        if request.cancelled:  # gone before its turn (a client that disconnected while queued)
+            self._fail(request, Cancelled("cancelled while waiting"))
+            return
+        t0 = time.perf_counter()
+        try:
+            run = self.engine.start(request.prompt_ids, should_stop=lambda: request.cancelled)
+        except Cancelled as stopped:
+            self._fail(request, stopped)
+            return
+        except Exception as e:  # noqa: BLE001 - one request's failure is its own; the batch runs on
+            self._fail(request, e)
+            return
+        r = Running(request, run, self.eos, self.engine.context_limit, 1000 * (time.perf_counter() - t0),
+                    self.engine.model.device)
+        if request.params.max_new_tokens == 0:
+            r.reason = "length"
+            self._finish(r)
+        elif self._sample(r):
+            self.running.append(r)
+
+    def _sample(self, r: Running) -> bool:
+        """Sample r's next token; False (and r finished) when it is done."""
+        try:
+            done = r.sample()
+        except Exception as e:  # noqa: BLE001 - a callback or the sampler failed this request alone
+            r.run.finish()
+            self._fail(r.request, e)
+            return False
+        if done:
+            self._finish(r)
+        return not done
+
+    def _step(self) -> None:
+        batch = self.running
+        try:
+            for r in batch:
+                token = r.out[-1]
+                r.logits = self.engine.decode(token, r.run.state)
+                r.run.fed.append(token)
+                if r.run.writer is not None and r.run.state.seq_len % self.engine.cache.block_size == 0:
+                    r.run.capture(r.run.state)
+        except Exception as e:  # noqa: BLE001 - the step failed for the batch: each request is told
+            for r in batch:
+                r.run.finish()
+                self._fail(r.request, e)
+            self.running = []
+            return
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(self)
+        self.running = [r for r in batch if self._sample(r)]
+
+    def _finish(self, r: Running) -> None:
+        r.run.finish()  # the admission ticket back, the segments saved
+        result = r.result()
+        r.run = None  # the state goes with it (a paged state's blocks back to the pool)
+        if r.request.on_done is not None:
+            r.request.on_done(result)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        if request.on_done is not None:
+            request.on_done(error)

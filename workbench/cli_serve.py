@@ -1,0 +1,50 @@
+"""`hcw serve`: the OpenAI-compatible server (workbench/serve)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import typer
+
+from workbench.cli_app import DB_HELP, app, engine_config, fail
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("hcw-tiny", "--model", help="model folder, or a built-in model's name (`hcw models`)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (not loopback: needs --api-key)"),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="port (0: any free one, printed at start)"),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    reuse: str = typer.Option("exact", "--reuse", help="exact | approximate | off"),
+    max_batch: int = typer.Option(8, "--max-batch", help="requests decoded together"),
+    max_queue: int = typer.Option(64, "--max-queue", help="requests waiting for a slot before a 429"),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="a request's max_tokens when it gives none"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="HCW_API_KEY",
+                                       help="require `Authorization: Bearer KEY` (or set HCW_API_KEY)"),
+    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="serve a non-loopback --host "
+                                          "without a key"),
+) -> None:
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
+    with /health and Prometheus /metrics. Every response says what the cache reused: OpenAI's
+    usage.prompt_tokens_details.cached_tokens, llama.cpp's timings and an `hcw` object (outcome,
+    usable vs logical tokens, the plan per state kind, exact or approximate, reasons). Concurrent
+    requests are decoded together. Binds 127.0.0.1 unless told otherwise."""
+    from workbench.options import CHAT_PREFILL_CHUNK, ChatOptions
+    from workbench.serve.run import check_exposure, serve as run
+    from workbench.serve.served import ServeOptions
+
+    try:
+        check_exposure(host, api_key, insecure_no_auth)
+        chat = ChatOptions.of(model=model, db=db, reuse=reuse, engine=engine_config(prefill_chunk_size=CHAT_PREFILL_CHUNK))
+        opts = ServeOptions(chat, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, api_key=api_key)
+    except ValueError as e:
+        fail(str(e))
+    try:
+        run(opts, host, port)
+    except ValueError as e:  # ConfigError, WeightsError: the model folder
+        fail(str(e))
+    except OSError as e:
+        fail(str(e), code=1)
+    except sqlite3.DatabaseError as e:
+        fail(f"cannot open the workbench database {db or '(the default one)'}: {e}", code=1)

@@ -1,0 +1,90 @@
+"""What `hcw serve` serves: one model, its tokenizer, its prefix cache over the workbench file's disk
+tier, one engine and the scheduler that batches every request onto it, and the server's limits."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import load_model
+from engine.cache.config import Reuse
+from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
+from engine.engine import Engine
+from engine.model.loader import resolve_model
+from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
+from store.write_behind import WriteBehind
+from workbench.options import ChatOptions
+from workbench.serve.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    chat: ChatOptions  # the model, the workbench file, the cache's and the engine's settings
+    max_batch: int = 8
+    max_queue: int = 64
+    max_tokens: int = 512  # a request's max_tokens when it names none
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {self.max_queue}")
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty")
+
+
+class Served:
+    def __init__(self, opts: ServeOptions):
+        chat = opts.chat
+        self.opts = opts
+        self.name = Path(str(chat.model)).name
+        self.model = load_model(chat.model)
+        self.tok = load_tokenizer(resolve_model(chat.model), self.model.config.extra)
+        if self.tok is None:
+            raise ValueError(f"{chat.model} has no tokenizer; hcw serve needs one")
+        if chat.engine.kv_layout is not None:  # before the cache is made: it assembles states of this layout
+            self.model.use_kv_layout(chat.engine.kv_layout)
+        self.tier = WriteBehind(chat.db, layout_fingerprint(self.model, chat.cache))
+        try:
+            self.cache = PrefixCache(self.model, chat.cache, lower=self.tier) if chat.reuse != Reuse.OFF else None
+            self.engine = Engine(self.model, dataclasses.replace(chat.engine, dtype=self.model.dtype,
+                                                                 device=str(self.model.device)), cache=self.cache)
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error, OSError):  # the error being raised is the one to see
+                self.tier.close()
+            raise
+        self.eos = tuple(self.tok.eos_ids)
+        self.scheduler = Scheduler(self.engine, opts.max_batch, opts.max_queue)
+        self.metrics = ServerMetrics(self.scheduler)
+        self.scheduler.on_step = lambda s: self.metrics.batch_size.observe(s.batch_size)
+        self.loaded_at = int(time.time())
+
+    @property
+    def api_key(self) -> str | None:
+        return self.opts.api_key
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.opts.max_body_bytes
+
+    @property
+    def default_max_tokens(self) -> int:
+        return self.opts.max_tokens
+
+    def start(self) -> Served:
+        self.scheduler.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the scheduler (what runs is cancelled, its segments saved), then close the workbench file."""
+        self.scheduler.stop()
+        self.tier.close()

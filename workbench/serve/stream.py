@@ -1,0 +1,89 @@
+"""One request's answer crossing from the engine's thread to the event loop, as text.
+
+The scheduler calls `on_token` / `on_done` on its own thread; they only queue onto the loop.
+`TextStream.events()` turns the ids into text deltas (whole characters only), holds back what
+could be the start of a stop string, cuts the answer at one (cancelling the request so that its
+slot frees at the next step), and ends with the engine's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.engine import Generation
+from engine.scheduler import Request
+from engine.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Done:
+    result: Generation | BaseException
+    finish_reason: str  # OpenAI's: stop | length
+    text: str  # the whole answer, cut at a stop string
+
+
+class TextStream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, tok: Tokenizer, stops: list[str], eos: set[int]):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.decoder = StreamDecoder(tok)
+        self.stops, self.eos = stops, eos
+        self.request: Request | None = None
+        self.token_times: list[float] = []  # when each token reached the loop's queue (engine thread clock)
+
+    # the engine's thread
+    def on_token(self, token: int) -> None:
+        self.token_times.append(time.perf_counter())
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, token)
+
+    def on_done(self, result: Generation | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, result)
+
+    # the loop
+    async def events(self) -> AsyncIterator[Delta | Done]:
+        text, shown, cut = "", 0, False
+        hold = max((len(s) for s in self.stops), default=1) - 1
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, int):
+                if cut or item in self.eos:
+                    continue
+                text += self.decoder.push(item)
+                hit = self._stop_at(text, shown)
+                if hit is not None:
+                    text, cut = text[:hit], True
+                    self.request.cancel()  # the rest is not wanted: free the slot at the next step
+                    if len(text) > shown:
+                        yield Delta(text[shown:])
+                    shown = len(text)
+                    continue
+                safe = len(text) - hold
+                if safe > shown:
+                    yield Delta(text[shown:safe])
+                    shown = safe
+                continue
+            if not cut and not isinstance(item, BaseException):
+                text += self.decoder.flush()
+                hit = self._stop_at(text, shown)
+                if hit is not None:
+                    text, cut = text[:hit], True
+            if not isinstance(item, BaseException) and len(text) > shown:
+                yield Delta(text[shown:])
+            reason = "stop" if cut else "length" if isinstance(item, Generation) and item.stop_reason in (
+                "length", "context") else "stop"
+            yield Done(item, reason, text)
+            return
+
+    def _stop_at(self, text: str, shown: int) -> int | None:
+        """Where the first stop string begins, if one has appeared (only text not yet shown can hold one)."""
+        start = max(0, shown - max((len(s) for s in self.stops), default=0))
+        found = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(found) if found else None
