@@ -3,7 +3,8 @@
 One thread owns the engine (its model, its cache and every request's state). Each turn of its
 loop it admits waiting requests while the batch has room — the cache's lookup, validation,
 recovery and the prefill of what is left (`Engine.start`), then the first sampled token — and
-then advances every running request by one token in one decode step. A request leaves the batch
+then advances every running request by one token in one decode step (`Engine.decode_batch`:
+the weights are read once for the whole batch). A request leaves the batch
 when it stops (an end token, its length, the context limit) or is cancelled (`Request.cancel`,
 heard between prefill chunks and at every step); leaving releases its cache admission ticket and
 its state. Nothing else touches the engine, so a lookup's plan is used by the same thread before
@@ -196,9 +197,13 @@ class Scheduler:
     def _step(self) -> None:
         batch = self.running
         try:
-            for r in batch:
-                token = r.out[-1]
-                r.logits = self.engine.decode(token, r.run.state)
+            tokens = [r.out[-1] for r in batch]
+            if len(batch) == 1:  # one sequence keeps the single-sequence path (the static decoder on CUDA)
+                batch[0].logits = self.engine.decode(tokens[0], batch[0].run.state)
+            else:  # the weights read once for every row (engine/batch_decode.py)
+                for r, logits in zip(batch, self.engine.decode_batch(tokens, [r.run.state for r in batch])):
+                    r.logits = logits
+            for r, token in zip(batch, tokens):
                 r.run.fed.append(token)
                 if r.run.writer is not None and r.run.state.seq_len % self.engine.cache.block_size == 0:
                     r.run.capture(r.run.state)
