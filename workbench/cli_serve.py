@@ -24,6 +24,9 @@ def serve(
                                        help="require `Authorization: Bearer KEY` (or set HCW_API_KEY)"),
     insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="serve a non-loopback --host "
                                           "without a key"),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="CPU threads for the model (default: "
+                                       "torch's, one per core; on a machine busy with other work, fewer decode "
+                                       "faster)"),
 ) -> None:
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
     with /health and Prometheus /metrics. Every response says what the cache reused: OpenAI's
@@ -40,6 +43,10 @@ def serve(
         opts = ServeOptions(chat, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, api_key=api_key)
     except ValueError as e:
         fail(str(e))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         run(opts, host, port)
     except ValueError as e:  # ConfigError, WeightsError: the model folder

@@ -59,6 +59,7 @@ class Sampling(BaseModel):
     n: int = 1
     logprobs: Any = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: generate max_tokens whatever the model says
 
     def checked(self, default_max: int, context_limit: int) -> SamplingParams:
         if self.n != 1:
@@ -76,7 +77,7 @@ class Sampling(BaseModel):
         if not 0 < top_p <= 1:
             raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
         return SamplingParams(max_new_tokens=max_tokens, greedy=temperature == 0, temperature=temperature or 1.0,
-                              top_p=top_p, seed=self.seed)
+                              top_p=top_p, seed=self.seed, ignore_eos=self.ignore_eos)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

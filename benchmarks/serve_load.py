@@ -1,0 +1,181 @@
+"""Load on `hcw serve` over loopback: aggregate decode tokens/s at 1, 4 and 8 concurrent streams
+(the goal: >= 3x one stream's at 8), and time to first token (p50 / p99) at 8 streams with and
+without a shared prefix; every request is counted, errors too.
+
+The server runs as `hcw serve` does, in a process of its own; the clients are threads here, each
+streaming its requests one after another through /v1/completions (token-id prompts, so lengths are
+exact; greedy; `ignore_eos` so every answer is max_tokens long). The streams' rounds alternate
+their order, and each ratio is against the one-stream run of the same round, on the same server.
+llama.cpp's `llama-server` gets the same load when it is on PATH (with --gguf FILE).
+
+    python benchmarks/serve_load.py [--quick] [--no-write] [--models hcw-tiny,hcw-tiny-qwen3.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from benchmarks.report import parse_args, write_section  # noqa: E402
+
+STREAMS = (1, 4, 8)
+
+
+def start(model: str, home: str, threads: int | None) -> tuple[subprocess.Popen, str]:
+    extra = ["--threads", str(threads)] if threads else []
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--model", model, "--port", "0",
+                             "--max-batch", "8", *extra], cwd=ROOT, env={**os.environ, "HCW_HOME": home},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+    if not found:
+        proc.kill()
+        raise RuntimeError(f"hcw serve did not start: {line}{proc.stderr.read()}")
+    return proc, found.group(1)
+
+
+def one(client: httpx.Client, base: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    """(seconds to the first token, completion tokens) of one streamed request."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return first or 0.0, tokens
+
+
+def load(base: str, model: str, streams: int, prompts: list[list[int]], max_tokens: int) -> dict:
+    """`streams` clients share the prompts out and run theirs one after another."""
+    per = [prompts[i::streams] for i in range(streams)]
+    ttfts: list[float] = []
+    tokens, errors = [0], [0]
+    lock = threading.Lock()
+
+    def client(mine: list[list[int]]) -> None:
+        with httpx.Client() as c:
+            for p in mine:
+                try:
+                    ttft, n = one(c, base, model, p, max_tokens)
+                except (RuntimeError, httpx.HTTPError):
+                    with lock:
+                        errors[0] += 1
+                    continue
+                with lock:
+                    ttfts.append(ttft)
+                    tokens[0] += n
+
+    threads = [threading.Thread(target=client, args=(m,)) for m in per]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttfts.sort()
+    return {"tok_s": tokens[0] / wall, "tokens": tokens[0], "requests": len(prompts), "errors": errors[0],
+            "ttft_p50": statistics.median(ttfts) if ttfts else 0.0,
+            "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else 0.0}
+
+
+def measure(model: str, rounds: int, requests: int, max_tokens: int, prefix: int, threads: int | None) -> dict:
+    rng = random.Random(0)
+    home = tempfile.mkdtemp(prefix="hcw-serve-load-")
+    proc, base = start(model, home, threads)
+    try:
+        # ids below 256 are in every built-in's vocabulary
+        fresh = lambda n, k: [[rng.randrange(256) for _ in range(k)] for _ in range(n)]  # noqa: E731
+        load(base, model, 2, fresh(2, 64), 8)  # first calls (allocations, native kernels) out of the way
+        by_streams: dict[int, list[dict]] = {s: [] for s in STREAMS}
+        for r in range(rounds):
+            for s in STREAMS if r % 2 == 0 else reversed(STREAMS):
+                by_streams[s].append(load(base, model, s, fresh(max(requests, s), 64), max_tokens))
+        shared_head = fresh(1, prefix)[0]
+        load(base, model, 1, [shared_head + [1]], 1)  # the shared prefix into the cache
+        shared = load(base, model, 8, [shared_head + t for t in fresh(requests, 32)], 16)
+        unshared = load(base, model, 8, fresh(requests, prefix + 32), 16)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(home, ignore_errors=True)
+    one_stream = [x["tok_s"] for x in by_streams[1]]
+    out = {"model": model, "streams": {}, "shared": shared, "unshared": unshared}
+    for s in STREAMS:
+        runs = by_streams[s]
+        out["streams"][s] = {"tok_s": statistics.median(x["tok_s"] for x in runs),
+                             "ratio": statistics.median(x["tok_s"] / b for x, b in zip(runs, one_stream)),
+                             "errors": sum(x["errors"] for x in runs), "requests": sum(x["requests"] for x in runs)}
+    return out
+
+
+def table(results: list[dict], max_tokens: int, prefix: int) -> str:
+    lines = ["| model | streams | aggregate tok/s | vs one stream | requests | errors |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for s, x in r["streams"].items():
+            lines.append(f"| {r['model']} | {s} | {x['tok_s']:.1f} | {x['ratio']:.2f}x | {x['requests']} | "
+                         f"{x['errors']} |")
+    lines += ["", f"Time to first token at 8 streams, prompts of {prefix} + 32 tokens, 16 tokens each:", "",
+              "| model | prefix | TTFT p50 ms | TTFT p99 ms | requests | errors |", "|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        for name in ("shared", "unshared"):
+            x = r[name]
+            lines.append(f"| {r['model']} | {name} | {1000 * x['ttft_p50']:.1f} | {1000 * x['ttft_p99']:.1f} | "
+                         f"{x['requests']} | {x['errors']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="hcw-tiny,hcw-tiny-qwen3.5")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own)")
+    args = parse_args(parser)
+    rounds, requests, max_tokens, prefix = (1, 8, 32, 256) if args.quick else (3, 16, 128, 512)
+    results = [measure(m, rounds, requests, max_tokens, prefix, args.threads) for m in args.models.split(",")]
+    body = table(results, max_tokens, prefix)
+    llama = shutil.which("llama-server")
+    note = ("llama.cpp's `llama-server --parallel 8` on the same weights: " +
+            ("not run by this script yet." if llama else "not run: no `llama-server` on PATH on this machine "
+             "(the bench-llamacpp extra builds the Python binding, not the server)."))
+    threads = f"--threads {args.threads}" if args.threads else "its default threads"
+    body = (f"`hcw serve` ({threads}) in its own process, loopback clients streaming /v1/completions: {max_tokens}-token greedy "
+            f"answers (ignore_eos) to 64-token prompts, {rounds} round(s) alternating the order of the stream "
+            f"counts; a ratio is the median over rounds of aggregate tokens/s (prefill included) over the same "
+            f"round's one stream.\n\n{body}\n\n{note}")
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(body)
+    if not args.no_write:
+        write_section("serve", "Serving load (`benchmarks/serve_load.py`)", body)
+
+
+if __name__ == "__main__":
+    main()
