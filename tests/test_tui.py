@@ -319,49 +319,64 @@ def test_a_growing_answer_does_not_repaint_the_right_column(model_dir, tmp_path,
     asyncio.run(scenario())
 
 
-def test_a_streamed_answer_is_redrawn_from_the_stored_message_when_the_turn_ends():
-    """Markdown.append parses only the new text, and appends that overlap (the last timer flush and
-    the turn's own) can draw a different document than the text: a list and a quote drawn twice
-    (found in review). The turn's end re-draws the streamed view from the stored message; views
-    that were not streamed are kept as they are."""
-    from textual.app import App
+# an answer streamed in pieces: a list and a quote, which appends that overlap draw twice
+MARKDOWN = "1. first\n2. second\n   continued\n3. third\n\n> quote line\n> more\n\nend"
+PIECES = ["1", ". first\n2.", " second\n", "   con", "tinu", "ed\n3. third\n", "\n> quo", "te line\n> mo", "re",
+          "\n\nen", "d"]
+
+
+def _blocks(view) -> list:
     from textual.widgets._markdown import MarkdownBlock
 
+    return [w for w in view.walk_children() if isinstance(w, MarkdownBlock)]
+
+
+def _stored(role: str, text: str):
     from store.conversations import Message
 
-    text = "1. first\n2. second\n   continued\n3. third\n\n> quote line\n> more\n\nend"
+    return Message(role[0], "c", None, role, text, None, "")
 
-    def shape(view):
-        return [type(w).__name__ for w in view.walk_children() if isinstance(w, MarkdownBlock)]
+
+def _pane_app():
+    from textual.app import App
 
     class Pane(App):
         def compose(self):
             yield ConversationView()
+    return Pane()
+
+
+def test_a_streamed_answer_is_redrawn_from_the_stored_message_when_its_appends_overlapped():
+    """Markdown.append parses from where the append before it stopped, so appends that overlap (the
+    last timer flush and the turn's own) can draw a different document than the text: a list and a
+    quote drawn twice (found in review). The turn's end re-draws such a view from the stored
+    message; views that were not streamed are kept as they are."""
+    def shape(view):
+        return [type(w).__name__ for w in _blocks(view)]
 
     async def scenario():
-        app = Pane()
+        app = _pane_app()
         async with app.run_test(size=(80, 60)) as pilot:
             pane = app.query_one(ConversationView)
             user = pane.add(0, "user", "hi")
             answer = pane.add(1, "assistant", "", streamed=True)
-            reference = pane.add(2, "assistant", text)
+            reference = pane.add(2, "assistant", MARKDOWN)
             await pilot.pause()
-            pieces = ["1", ". first\n2.", " second\n", "   con", "tinu", "ed\n3. third\n", "\n> quo", "te line\n> mo",
-                      "re", "\n\nen", "d"]  # the last two appended without a pause: they overlap
-            for i, piece in enumerate(pieces):
+            for i, piece in enumerate(PIECES):
                 answer.append(piece)
-                if i != len(pieces) - 2:
+                if i != len(PIECES) - 2:  # the last two appended without a pause: they overlap
                     await pilot.pause(0.01)
             for _ in range(3):
                 await pilot.pause()
             drawn_streamed = shape(answer)
+            assert answer.overlapped
             await reference.remove()
-            pane.show([Message("u", "c", None, "user", "hi", None, ""), Message("a", "c", "u", "assistant", text, None, "")])
+            pane.show([_stored("user", "hi"), _stored("assistant", MARKDOWN)])
             for _ in range(3):
                 await pilot.pause()
             views = list(pane.query_children(MessageView))
-            assert views == [user, answer] and not answer.streamed and answer.source == text
-            fresh = MessageView(text, "assistant")
+            assert views == [user, answer] and not answer.streamed and answer.source == MARKDOWN
+            fresh = MessageView(MARKDOWN, "assistant")
             await pane.mount(fresh)
             await pilot.pause()
             assert shape(answer) == shape(fresh)
@@ -369,6 +384,35 @@ def test_a_streamed_answer_is_redrawn_from_the_stored_message_when_the_turn_ends
 
     drawn_streamed, wanted = asyncio.run(scenario())
     assert drawn_streamed != wanted  # the overlap did draw something else: the re-draw was needed
+
+
+def test_a_streamed_answer_whose_appends_never_overlapped_is_kept_as_drawn():
+    """Each append re-parses from the start of the last block drawn, so appends one after another
+    draw what one parse of the whole text draws: the turn's end keeps that view (re-drawing it was
+    most of the turn's end, docs/BENCHMARKS.md) and the screen is the one a fresh view draws."""
+    async def scenario():
+        app = _pane_app()
+        async with app.run_test(size=(80, 30)) as pilot:
+            pane = app.query_one(ConversationView)
+            answer = pane.add(0, "assistant", "", streamed=True)
+            await pilot.pause()
+            for piece in PIECES:
+                await answer.append(piece)
+            blocks = _blocks(answer)
+            pane.show([_stored("assistant", MARKDOWN)])
+            for _ in range(3):
+                await pilot.pause()
+            assert not answer.streamed and not answer.overlapped
+            assert _blocks(answer) == blocks  # the same widgets: nothing was re-drawn
+            streamed = app.export_screenshot()
+            await answer.remove()
+            pane.add(0, "assistant", MARKDOWN)
+            for _ in range(3):
+                await pilot.pause()
+            return streamed, app.export_screenshot()
+
+    streamed, fresh = asyncio.run(scenario())
+    assert streamed == fresh
 
 
 def test_the_workbench_layout_snapshot(model_dir, tmp_path, monkeypatch, snap_compare):

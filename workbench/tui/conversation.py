@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from markdown_it import MarkdownIt
+from textual.await_complete import AwaitComplete
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown
 
@@ -24,11 +25,20 @@ class MessageView(Markdown):
     def __init__(self, markdown: str, role: str, streamed: bool = False):
         super().__init__(markdown, classes=role, parser_factory=_parser)
         self.role = role
-        # built by appends as an answer streamed in: Markdown.append parses only the new text, and
-        # appends that overlap can draw a different document than the text (a block twice), so the
-        # view is re-drawn from the stored message once the turn is over
+        # built by appends as an answer streamed in: Markdown.append re-parses from the last block
+        # it drew, which gives the document a whole parse gives, unless an append starts before the
+        # one before it has parsed (then it re-parses text already drawn: a block twice). Only a view
+        # whose appends overlapped is re-drawn from the stored message once the turn is over.
         self.streamed = streamed
+        self.overlapped = False
+        self._appending: AwaitComplete | None = None
         self._height = 0
+
+    def append(self, markdown: str) -> AwaitComplete:
+        if self._appending is not None and not self._appending.is_done:
+            self.overlapped = True
+        self._appending = super().append(markdown)
+        return self._appending
 
     def on_resize(self, event) -> None:
         """The last message grew (an answer streaming in, or laid out after the pane scrolled): a
@@ -45,15 +55,17 @@ class ConversationView(VerticalScroll):
         """Display `messages`, keeping the views of the leading ones already shown as they are
         (after a turn, everything but the new messages; after a branch switch, everything up to the
         fork): remounting every message re-parses and re-lays out all of them, ~15 ms each, which in
-        a long conversation froze the screen for a second after every answer."""
+        a long conversation froze the screen for a second after every answer. A streamed answer is
+        kept as drawn when it holds the stored text (re-drawing it was most of a turn's end)."""
         views = list(self.query_children(MessageView))
         keep = 0
         for view, m in zip(views, messages):
             if view.role != m.role or not (view.streamed or view.source == m.content):
                 break
             if view.streamed:
-                view.update(m.content)
-                view.streamed = False
+                if view.overlapped or view.source != m.content:
+                    view.update(m.content)
+                view.streamed = view.overlapped = False
                 view.border_title = _title(keep, m.role, m.meta)
             keep += 1
         for view in views[keep:]:
