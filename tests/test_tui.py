@@ -783,3 +783,17 @@ def test_the_screen_is_up_before_the_engine_has_loaded_the_model(model_dir, tmp_
         return broken.return_code
 
     assert asyncio.run(scenario()) == 1
+
+
+def test_the_app_keeps_what_existed_at_its_start_out_of_garbage_collections_while_it_runs(model_dir, tmp_path):
+    """A full collection walked every object of the imports (torch's among them): a UI stall of
+    tens of ms a few times an answer. The app freezes them while it runs, and hands them back."""
+    import gc
+
+    async def scenario():
+        app = _app(model_dir, tmp_path / "gc.db")
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            return gc.get_freeze_count()
+
+    assert asyncio.run(scenario()) > 10_000 and gc.get_freeze_count() == 0

@@ -18,6 +18,7 @@ panel, its other replies go to the log.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sqlite3
 import threading
 from functools import partial
@@ -147,6 +148,10 @@ class ChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        # what exists by now (the imports' objects, torch's among them) lives as long as the app: a
+        # full collection walked all of it, a stall of tens of ms a few times an answer, at a
+        # turn's end too. Frozen, collections walk only what the app makes; unfrozen when it ends.
+        gc.freeze()
         for pane, title in PANES.items():
             self.query_one(f"#{pane}").border_title = title
         self.validation.show(None)
@@ -397,4 +402,5 @@ class ChatApp(App):
         self.run_command("/branch")
 
     def on_unmount(self) -> None:
+        gc.unfreeze()
         self.session.close()
