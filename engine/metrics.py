@@ -65,7 +65,7 @@ class CacheMetrics:
             "usable_hit_tokens": self.usable_hit_tokens, "recomputed_tokens": self.recomputed_tokens,
             "replans": self.replans, "validation_failures": dict(self.validation_failures),
             "recoveries": dict(self.recoveries),
-            "recovery_ms": {k: h.as_dict() for k, h in self.recovery_ms.items()},
+            "recovery_ms": {k: h.as_dict() for k, h in dict(self.recovery_ms).items()},  # a copy: read from other threads
             "lower": {"fetches": self.lower_fetches, "spills": self.spills, "failures": dict(self.lower_failures)},
             "shadow": {"checks": self.shadow_checks, "mismatches": self.shadow_mismatches,
                        "max_diff": self.shadow_max_diff},

@@ -224,3 +224,36 @@ def test_metrics_count_requests_outcomes_and_latencies(server):
     assert samples[("hcw_inter_token_latency_seconds_count", ())] >= 1
     assert ("hcw_num_requests_running", ()) in samples and ("hcw_num_requests_waiting", ()) in samples
     assert samples[("hcw_decode_steps_total", ())] >= 1
+
+
+def test_the_event_stream_shows_each_request_with_its_plan_and_segments(server):
+    _, base = server
+    events = []
+    ready = threading.Event()
+
+    def watch():
+        with httpx.stream("GET", f"{base}/hcw/events", timeout=60) as r:
+            kind = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: "):
+                    events.append((kind, json.loads(line[6:])))
+                    ready.set()
+                    if kind == "request":
+                        return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert ready.wait(30)  # the stats event every watcher gets first
+    long = "Remember: the code for Ada is 5512, the code for Bo is 7301, the code for Cyd is 6649. " + MIRA
+    client(base).chat.completions.create(model="hcw-tiny", temperature=0, max_tokens=8,
+                                         messages=[{"role": "user", "content": long}])
+    watcher.join(60)
+    assert events[0][0] == "stats" and events[0][1]["model"] == "hcw-tiny"
+    kind, request = events[-1]
+    assert kind == "request" and request["endpoint"] == "chat"
+    assert request["plan"][0].startswith("outcome: ")
+    assert [line.split(":")[0] for line in request["plan"][2:6]] == [
+        "layer 1 alignment", "layer 2 kernel interface", "layer 3 group intersection", "layer 4 byte alignment"]
+    assert request["segments"] and request["segments"][0]["tokens"] == [0, 64]

@@ -355,19 +355,7 @@ class ChatSession:
         """The segment state table for the current thread's tokens."""
         if self.cache is None:
             return []
-        ids = self.prompt_ids(self.path())
-        b = self.cache.block_size
-        rows = []
-        for view in self.cache.segments_of(ids):
-            rec = view.record
-            kinds = {k for _, k in rec.pieces} if rec else set()
-            on_disk = view.persisted or self.tier.has(view.key)
-            tier = rec.tier if rec else ("disk" if on_disk else "gone")
-            rows.append(SegmentRow(view.index, (view.index * b, (view.index + 1) * b), tier,
-                                   {col: bool(kinds & set(ks)) for col, ks in PRESENCE.items()}, on_disk,
-                                   rec.exact if rec else True,
-                                   rec.last_access_step if rec else -1))
-        return rows
+        return segment_rows(self.cache, self.tier, self.prompt_ids(self.path()))
 
     def close(self, keep_empty: bool = False) -> None:
         """Save the cache, forget the conversation this session began if nobody wrote in it
@@ -385,3 +373,20 @@ class ChatSession:
             with contextlib.suppress(sqlite3.Error):  # a damaged file keeps it: `hcw inspect` lists it
                 self.store.delete_if_empty(self._created)
             self._created = None
+
+
+def segment_rows(cache: PrefixCache, tier: WriteBehind, ids: list[int]) -> list[SegmentRow]:
+    """One row per cached segment of `ids`' matched prefix: its tier, the state kinds it holds,
+    whether it is on disk, exact or approximate, and when it was last used. On the engine's thread:
+    it reads the cache's tables."""
+    b = cache.block_size
+    rows = []
+    for view in cache.segments_of(ids):
+        rec = view.record
+        kinds = {k for _, k in rec.pieces} if rec else set()
+        on_disk = view.persisted or tier.has(view.key)
+        rows.append(SegmentRow(view.index, (view.index * b, (view.index + 1) * b),
+                               rec.tier if rec else ("disk" if on_disk else "gone"),
+                               {col: bool(kinds & set(ks)) for col, ks in PRESENCE.items()}, on_disk,
+                               rec.exact if rec else True, rec.last_access_step if rec else -1))
+    return rows

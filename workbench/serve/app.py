@@ -28,6 +28,7 @@ from engine.scheduler import QueueFull
 from engine.scheduler import Request as EngineRequest
 from workbench.serve.protocol import (ApiError, ChatRequest, CompletionRequest, Sampling, created,
                                       reuse_report, usage)
+from workbench.serve import record
 from workbench.serve.served import Served
 from workbench.serve.stream import Delta, Done, TextStream
 
@@ -63,13 +64,18 @@ def create_app(served: Served) -> FastAPI:
     async def metrics() -> Response:
         return Response(served.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/hcw/events", dependencies=guarded)
+    async def events() -> EventSourceResponse:
+        return EventSourceResponse(_events(served), ping=15)
+
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(body: ChatRequest, request: Request):
         params = _checked(served, body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         ids = served.tok.apply_chat_template(messages, add_generation_prompt=True)
-        return await _respond(served, "chat", ids, params, body, request)
+        recorder = None if body.conversation is None else _recorder(served, body.conversation, messages, len(ids))
+        return await _respond(served, "chat", ids, params, body, request, recorder)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request):
@@ -81,6 +87,22 @@ def create_app(served: Served) -> FastAPI:
     return app
 
 
+async def _events(served: Served) -> AsyncIterator[dict]:
+    """The watcher's stream: the server's stats now and every second, each finished request between."""
+    hub = served.events
+    q = hub.subscribe()
+    try:
+        yield {"event": "stats", "data": json.dumps(hub.stats_event())}
+        while True:
+            try:
+                kind, data = await asyncio.wait_for(q.get(), timeout=1.0)
+            except TimeoutError:
+                kind, data = "stats", hub.stats_event()
+            yield {"event": kind, "data": json.dumps(data)}
+    finally:
+        hub.unsubscribe(q)
+
+
 def _checked(served: Served, body: Sampling):
     if body.model != served.name:
         raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {served.name!r}",
@@ -88,15 +110,23 @@ def _checked(served: Served, body: Sampling):
     return body.checked(served.default_max_tokens, served.engine.context_limit)
 
 
-async def _respond(served: Served, endpoint: str, ids: list[int], params, body: Sampling, request: Request):
+async def _respond(served: Served, endpoint: str, ids: list[int], params, body: Sampling, request: Request,
+                   recorder=None):
+    """Submit, then answer whole or as a stream; `recorder(text, generation)` -> the conversation
+    the exchange was written to (record.py), called once the answer is complete."""
     limit = served.engine.context_limit
     if len(ids) >= limit:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context limit is {limit}, which must "
                             "leave room for one generated token", code="context_length_exceeded")
     stops = body.stops()
     stream = TextStream(asyncio.get_running_loop(), served.tok, stops, set(served.eos))
+
+    def on_done(result) -> None:  # the engine's thread: the watchers' event first (it reads the cache there)
+        served.events.finished(endpoint, req, result)
+        stream.on_done(result)
+
     req = EngineRequest(ids, dataclasses.replace(params, stop_ids=tuple(served.eos)), on_token=stream.on_token,
-                        on_done=stream.on_done)
+                        on_done=on_done)
     stream.request = req
     try:
         served.scheduler.submit(req)
@@ -118,7 +148,7 @@ async def _respond(served: Served, endpoint: str, ids: list[int], params, body: 
         raise _engine_error(first.result)
     if body.stream:
         watcher.cancel()  # sse-starlette hears the disconnect itself and cancels the generator
-        return EventSourceResponse(_sse(served, endpoint, rid, body, req, stream, first, events), ping=15)
+        return EventSourceResponse(_sse(served, endpoint, rid, body, req, stream, first, events, recorder), ping=15)
     try:
         done = first
         while not isinstance(done, Done):
@@ -129,7 +159,10 @@ async def _respond(served: Served, endpoint: str, ids: list[int], params, body: 
     if isinstance(done.result, BaseException):
         raise _engine_error(done.result)
     served.metrics.finished(endpoint, done.result, stream.token_times, req.submitted, _queue_s(done.result, req))
-    return _whole(served, endpoint, rid, done, req)
+    out = _whole(served, endpoint, rid, done, req)
+    if recorder is not None:
+        out["hcw"]["conversation"] = recorder(done.text, done.result)
+    return out
 
 
 async def _watch(request: Request, req: EngineRequest) -> None:
@@ -164,7 +197,7 @@ def _whole(served: Served, endpoint: str, rid: str, done: Done, req: EngineReque
 
 
 async def _sse(served: Served, endpoint: str, rid: str, body: Sampling, req: EngineRequest, stream: TextStream,
-               first, events: AsyncIterator) -> AsyncIterator[str]:
+               first, events: AsyncIterator, recorder=None) -> AsyncIterator[str]:
     chat = endpoint == "chat"
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created(),
             "model": served.name}
@@ -195,6 +228,11 @@ async def _sse(served: Served, endpoint: str, rid: str, body: Sampling, req: Eng
                     served.metrics.finished(endpoint, gen, stream.token_times, req.submitted, _queue_s(gen, req))
                     last = json.loads(chunk(None, event.finish_reason))
                     extras = _extras(gen, req)
+                    if recorder is not None:
+                        try:
+                            extras["hcw"]["conversation"] = recorder(event.text, gen)
+                        except ApiError as e:  # the answer was streamed: the failure to keep it is said last
+                            extras["hcw"]["conversation"] = e.body()
                     last.update({"timings": extras["timings"], "hcw": extras["hcw"]})
                     yield json.dumps(last)
                     if body.include_usage:
@@ -204,6 +242,27 @@ async def _sse(served: Served, endpoint: str, rid: str, body: Sampling, req: Eng
             event = await anext(events)
     finally:
         req.cancel()  # a disconnect cancels this generator: the request leaves the batch at its next step
+
+
+def _recorder(served: Served, conversation: str, messages: list[dict], prompt_tokens: int):
+    """The conversation checked now (a 404 / 409 before generating); -> what records the answer."""
+    target = record.find(served.store, conversation, messages)
+
+    def write(text: str, gen: Generation) -> dict:
+        return record.write(served.store, target, messages, text, gen.timings.predicted_n,
+                            _turn_meta(gen, prompt_tokens), served.name, served.tier.layout,
+                            lambda t: len(served.tok.encode(t)))
+
+    return write
+
+
+def _turn_meta(gen: Generation, prompt_tokens: int) -> dict:
+    """What an answer carries in the workbench file, as `hcw chat` writes it."""
+    t, lookup = gen.timings, gen.lookup
+    return {"stop_reason": gen.stop_reason, "prompt_tokens": prompt_tokens, "ttft_ms": round(t.prompt_ms, 2),
+            "tokens_per_s": round(t.as_dict()["predicted_per_second"], 2),
+            "outcome": lookup.outcome if lookup else "off", "cached_tokens": t.cache_n,
+            "exact": lookup.plan.exact if lookup else True, "via": "hcw serve"}
 
 
 def _engine_error(e: BaseException) -> ApiError:

@@ -18,8 +18,11 @@ from engine.model.loader import resolve_model
 from engine.scheduler import Scheduler
 from engine.threads import release_idle_team
 from engine.tokenizer import load_tokenizer
+from store.conversations import Conversations
+from store.db import open_db
 from store.write_behind import WriteBehind
 from workbench.options import ChatOptions
+from workbench.serve.events import EventHub
 from workbench.serve.metrics import ServerMetrics
 
 
@@ -66,8 +69,17 @@ class Served:
         self.eos = tuple(self.tok.eos_ids)
         self.scheduler = Scheduler(self.engine, opts.max_batch, opts.max_queue)
         self.metrics = ServerMetrics(self.scheduler)
+        self.events = EventHub(self)
         self.scheduler.on_step = lambda s: self.metrics.batch_size.observe(s.batch_size)
         self.loaded_at = int(time.time())
+        self._store: Conversations | None = None
+
+    @property
+    def store(self) -> Conversations:
+        """The workbench file's conversations, on a connection of the event loop's own (made there)."""
+        if self._store is None:
+            self._store = Conversations(open_db(self.tier.path))
+        return self._store
 
     @property
     def api_key(self) -> str | None:
@@ -92,4 +104,6 @@ class Served:
     def close(self) -> None:
         """Stop the scheduler (what runs is cancelled, its segments saved), then close the workbench file."""
         self.scheduler.stop()
+        if self._store is not None:
+            self._store.db.conn.close()
         self.tier.close()
