@@ -21,6 +21,7 @@ from engine.cache.config import CacheConfig
 from engine.cache.kv import KVState, PagedKVState
 from engine.cache.prefix_cache import PrefixCache
 from engine.engine import Engine
+from kernels import dispatch
 
 STEPS = 20
 # prompt lengths of the eight sequences: with 64-position pages, 60 and 62 cross a page boundary
@@ -145,6 +146,18 @@ def test_random_families_batched_logits_equal_per_sequence_decode(family, layout
     model.use_kv_page(64)
     with torch.inference_mode():
         pair = _cold_pair(Engine(model), _prompts(model.config.vocab_size, seed=1))
+    worst = pair.run(own_tokens=False)
+    assert worst <= 1e-5, f"logits differ by {worst:.2e} of the largest"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v4"])
+def test_the_torch_paths_batch_too(family, models):
+    """HCW_KERNELS=reference: no native kernel, every row's core on the torch path."""
+    dispatch.select("reference")
+    model = models(family)
+    model.use_kv_layout("dense")
+    with torch.inference_mode():
+        pair = _cold_pair(Engine(model), _prompts(model.config.vocab_size, seed=3))
     worst = pair.run(own_tokens=False)
     assert worst <= 1e-5, f"logits differ by {worst:.2e} of the largest"
 

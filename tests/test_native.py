@@ -102,6 +102,47 @@ def test_decode_steps_match_the_torch_path(n_k, n_v, dk, dv, kernel, batch, monk
     assert torch.allclose(nat.norm, ref.norm, rtol=1e-5)
 
 
+def test_decode_rows_is_each_sequences_decode_step_to_the_bit():
+    """The batched step's one call for sequences with states of their own (kernels/native
+    gdn_decode_rows) against one decode_step a sequence: the same outputs, states and statistics
+    to the bit; the given tensors are not written; a strided conv window (the torch path's) is
+    read right; through the layer, statistics are recorded for the tracking sequences only."""
+    layer = _gdn(2, 4, 16, 8)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        states = []
+        for i, n in enumerate((5, 1, 9)):
+            s = layer.new_state(1, torch.float32, "cpu")
+            s.tracking = i != 1
+            layer(torch.randn(1, n, 48, generator=g), s, 0)
+            states.append(s)
+        dispatch.select("reference")  # a torch decode token: its conv window is a strided view
+        layer(torch.randn(1, 1, 48, generator=g), states[0], 5)
+        dispatch.select("auto")
+        assert not states[0].conv.is_contiguous()
+        twins = copy.deepcopy(states)
+        held = [(s.conv.clone(), s.recurrent.clone()) for s in states]
+        proj = layer.project(torch.randn(3, 1, 48, generator=g))
+        args = (layer.conv1d.weight, layer._neg_a(), layer.dt_bias, layer.norm.weight, layer.n_k, 1e-6, layer.norm.eps)
+        rows = native_decode.decode_rows(proj, [s.conv for s in states], [s.recurrent for s in states], *args)
+        for i, s in enumerate(states):
+            one = native_decode.decode_step(proj[i:i + 1], s.conv, s.recurrent, *args)
+            assert torch.equal(rows.out[i:i + 1], one.out)
+            assert torch.equal(rows.conv[i], one.conv) and torch.equal(rows.recurrent[i], one.recurrent)
+            assert torch.equal(rows.g[i:i + 1], one.g) and torch.equal(rows.bv[i:i + 1], one.bv)
+            assert torch.equal(s.conv, held[i][0]) and torch.equal(s.recurrent, held[i][1])
+        got = layer.core_rows(proj, states, [6, 1, 9])
+        want = torch.cat([layer.core(proj[i:i + 1], s, p) for i, (s, p) in enumerate(zip(twins, (6, 1, 9)))])
+    assert torch.equal(got, want)
+    for s, t in zip(states, twins):
+        assert torch.equal(s.conv, t.conv) and torch.equal(s.recurrent, t.recurrent)
+        assert s.stats_end == t.stats_end and torch.equal(s.stats, t.stats) and torch.equal(s.norm, t.norm)
+    assert [s.stats_end for s in states] == [7, 0, 10]
+    with pytest.raises(ValueError, match="one shape"):
+        native_decode.decode_rows(proj[:2], [states[0].conv, states[1].conv[:, :-1]],
+                                  [states[0].recurrent, states[1].recurrent], *args)
+
+
 def test_old_state_tensors_are_not_written(monkeypatch):
     """A decode must not write the tensors it was given: a cached snapshot may share them."""
     layer = _gdn(2, 4, 16, 8)

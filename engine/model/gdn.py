@@ -122,6 +122,24 @@ class GatedDeltaNet(nn.Module):
             state.record(start, step.g, step.bv)
         return step.out.view(proj.shape[0], 1, -1)
 
+    def core_rows(self, proj: torch.Tensor, states: list[GDNState], starts: list[int]) -> torch.Tensor | None:
+        """`core` for a batched decode step (engine/model/rows.py): proj [N, 1, width], row i one
+        token of the sequence whose state is states[i], at position starts[i] -> [N, 1, Hv*Dv],
+        in one native call for every row, each row to the bit what its own `core` gives; None
+        where the kernel does not take every row (each then runs `core`)."""
+        if not all(not s.static and native_decode.applies(proj, s.conv, s.recurrent) for s in states):
+            return None
+        params, norm = self._parameters, self._modules["norm"]
+        step = native_decode.decode_rows(
+            proj, [s.conv for s in states], [s.recurrent for s in states],
+            self._modules["conv1d"]._parameters["weight"], self._neg_a(), params["dt_bias"],
+            norm._parameters["weight"], self.n_k, L2_EPS, norm.eps, stats=any(s.tracking for s in states))
+        for i, (state, start) in enumerate(zip(states, starts)):
+            state.conv, state.recurrent = step.conv[i], step.recurrent[i]
+            if state.tracking:
+                state.record(start, step.g[i:i + 1], step.bv[i:i + 1])
+        return step.out.view(len(states), 1, -1)
+
     def _neg_a(self) -> torch.Tensor:
         """-exp(A_log) in float32: the decay rate softplus(a + dt_bias) is scaled by."""
         return derived(self, "neg_a", self._parameters["A_log"], _neg_exp)

@@ -232,13 +232,35 @@ class V4Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, state: V4AttnState | None, start: int = 0) -> torch.Tensor:
+        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        q_res, q, kv = self._project(x, positions)
+        return self._output(self._core(x, q_res, q, kv, positions, state, start), positions)
+
+    def mix_rows(self, x: torch.Tensor, states: list[V4AttnState], starts: list[int]) -> torch.Tensor:
+        """A batched decode step (engine/model/rows.py): x [N, 1, hidden], row i one token of
+        sequence i at position starts[i]. The projections, norms and rotations take the N rows as
+        one pass's positions; what reads a state (window, compressors, indexer, attention) runs
+        per row."""
+        positions = torch.tensor(starts, device=x.device)
+        q_res, q, kv = self._project(x.transpose(0, 1), positions)  # [1, N, ...]
+        out = torch.cat([self._core(x[i:i + 1], q_res[:, i:i + 1], q[:, i:i + 1], kv[:, i:i + 1], positions[i:i + 1],
+                                    state, start) for i, (state, start) in enumerate(zip(states, starts))], dim=1)
+        return self._output(out, positions).transpose(0, 1)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] at `positions` [T] -> the query's low-rank residual [B, T, q_lora_rank],
+        the rotated queries [B, T, H, D] and the rotated shared key-value [B, T, D]."""
         b, t, _ = x.shape
-        positions = torch.arange(start, start + t, device=x.device)
         q_res = self.q_norm(self.wq_a(x))
         q = unit_rms(self.wq_b(q_res).view(b, t, self.n_heads, self.head_dim), self.eps)
         q = self.rotary.apply(q, positions)  # [B, T, H, D]
         kv = self.rotary.apply(self.norm(self.wkv(x)).unsqueeze(2), positions).squeeze(2)  # [B, T, D]
+        return q_res, q, kv
 
+    def _core(self, x, q_res, q, kv, positions, state: V4AttnState | None, start: int) -> torch.Tensor:
+        """What reads or advances `state`: the window, the compressors, the indexer and the
+        attention over them -> [B, T, H, D], still rotated by each query's angle."""
+        b, t, _ = x.shape
         keys, key_start = kv, start
         if state is not None:
             keys = torch.cat([state.window.kv, kv], dim=1)
@@ -277,6 +299,11 @@ class V4Attention(nn.Module):
             hi = min(lo + QUERY_BLOCK, t)
             out[:, lo:hi] = self._attend(q[:, lo:hi], positions[lo:hi], keys, key_start, entries,
                                          None if selected is None else selected[:, lo:hi])
+        return out
+
+    def _output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The attention's output [B, T, H, D] at `positions` [T] -> [B, T, hidden]."""
+        b, t = out.shape[:2]
         # K = V carries RoPE on its rope slice: rotating the output back by the query's angle
         # leaves each entry's contribution a function of relative distance only
         out = self.rotary.apply(out, positions, inverse=True)

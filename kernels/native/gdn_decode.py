@@ -4,10 +4,13 @@
 delta-rule step and the gated RMSNorm that engine/model/gdn.py otherwise runs as ~50 torch ops;
 that torch path is its reference (tests/test_native.py compares them). `decode_step` returns new
 state tensors instead of writing the old ones: those may be shared with a cached snapshot.
+`decode_rows` is the same token for sequences whose states are tensors of their own (a batched
+decode step of independent requests, engine/batch_decode.py): one call instead of one a sequence.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
@@ -26,9 +29,17 @@ class Step(NamedTuple):
     bv: torch.Tensor | None  # [B, 1, Hv]: beta * |v|, for the decay statistics (with `stats`)
 
 
-def kernel():
+class Rows(NamedTuple):
+    out: torch.Tensor  # [B, Hv * Dv] float32: the gated-norm outputs, out_proj's input
+    conv: list[torch.Tensor]  # each sequence's new conv window [1, C, K-1]
+    recurrent: list[torch.Tensor]  # each sequence's new recurrent state [1, Hv, Dk, Dv] float32
+    g: torch.Tensor | None  # [B, 1, Hv] (with `stats`)
+    bv: torch.Tensor | None  # [B, 1, Hv] (with `stats`)
+
+
+def kernel(symbol: str = "hcw_gdn_decode"):
     """The C function, or None where the native kernels are off or could not be built."""
-    return native.function("gdn_decode", "hcw_gdn_decode", _ARGS)
+    return native.function("gdn_decode", symbol, _ARGS)
 
 
 def applies(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> bool:
@@ -47,14 +58,10 @@ def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
     [B, C, K-1]; recurrent [B, Hv, Dk, Dv]; taps [C, K] (or conv1d's [C, 1, K]); neg_a, dt_bias
     [Hv]; norm_w [Dv]; `stats`: also return g and beta * |v|. Check `applies` first: this one only
     checks shapes."""
-    b, _, width = proj.shape
+    b = proj.shape[0]
+    _check_shapes(proj, conv.shape, recurrent.shape, taps, neg_a, dt_bias, norm_w, n_k, batch=b)
     hv, dk, dv = recurrent.shape[1:]
-    c, k_minus_1 = conv.shape[1:]
-    if (c != 2 * n_k * dk + hv * dv or width != c + hv * dv + 2 * hv or hv % n_k
-            or taps.numel() != c * (k_minus_1 + 1) or recurrent.shape[0] != b or conv.shape[0] != b
-            or neg_a.numel() != hv or dt_bias.numel() != hv or norm_w.numel() != dv):
-        raise ValueError(f"GDN decode shapes disagree: proj {tuple(proj.shape)}, conv {tuple(conv.shape)}, "
-                         f"recurrent {tuple(recurrent.shape)}, taps {tuple(taps.shape)}, {n_k} key heads")
+    k_minus_1 = conv.shape[2]
     # the torch path leaves its conv window a strided view: one copy on the first step after it
     conv = conv if conv.is_contiguous() else conv.contiguous()
     recurrent = recurrent if recurrent.is_contiguous() else recurrent.contiguous()
@@ -71,3 +78,52 @@ def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
              out.data_ptr(), g.data_ptr() if stats else None, bv.data_ptr() if stats else None,
              b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps)
     return Step(out, conv_new, rec_new, g, bv)
+
+
+def decode_rows(proj: torch.Tensor, conv: list[torch.Tensor], recurrent: list[torch.Tensor], taps: torch.Tensor,
+                neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor,
+                n_k: int, l2_eps: float, norm_eps: float, stats: bool = True) -> Rows:
+    """`decode_step` for B sequences whose states are tensors of their own: proj [B, 1, width]
+    (row b sequence b's); conv[b] [1, C, K-1] and recurrent[b] [1, Hv, Dk, Dv] float32, sequence
+    b's states. Row b of the result is what `decode_step(proj[b:b+1], conv[b], recurrent[b], ...)`
+    returns, to the bit. Check `applies` for each sequence first."""
+    b = proj.shape[0]
+    if len(conv) != b or len(recurrent) != b:
+        raise ValueError(f"GDN decode rows: {b} projected rows for {len(conv)} conv and {len(recurrent)} recurrent states")
+    one_conv, one_rec = conv[0].shape, recurrent[0].shape
+    if (any(c.shape != one_conv for c in conv)
+            or any(r.shape != one_rec or r.dtype is not torch.float32 for r in recurrent)):
+        raise ValueError("GDN decode rows: every sequence's states must have one shape (float32 recurrent)")
+    _check_shapes(proj, one_conv, one_rec, taps, neg_a, dt_bias, norm_w, n_k, batch=1)
+    hv, dk, dv = one_rec[1:]
+    k_minus_1 = one_conv[2]
+    native.check_float32("GDN decode", taps, neg_a, dt_bias, norm_w)
+    conv = [t if t.is_contiguous() else t.contiguous() for t in conv]
+    recurrent = [t if t.is_contiguous() else t.contiguous() for t in recurrent]
+    conv_new = [torch.empty_like(t) for t in conv]
+    rec_new = [torch.empty_like(t) for t in recurrent]
+    out = torch.empty(b, hv * dv, dtype=torch.float32, device="cpu")
+    g = bv = None
+    if stats:
+        g = torch.empty(b, 1, hv, dtype=torch.float32, device="cpu")
+        bv = torch.empty(b, 1, hv, dtype=torch.float32, device="cpu")
+    pointers = ctypes.c_void_p * b
+    kernel("hcw_gdn_decode_rows")(
+        proj.data_ptr(), proj.stride(0), pointers(*(t.data_ptr() for t in conv)),
+        pointers(*(t.data_ptr() for t in conv_new)), taps.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
+        pointers(*(t.data_ptr() for t in recurrent)), pointers(*(t.data_ptr() for t in rec_new)),
+        norm_w.data_ptr(), out.data_ptr(), g.data_ptr() if stats else None, bv.data_ptr() if stats else None,
+        b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps)
+    return Rows(out, conv_new, rec_new, g, bv)
+
+
+def _check_shapes(proj: torch.Tensor, conv: torch.Size, recurrent: torch.Size, taps: torch.Tensor,
+                  neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor, n_k: int, batch: int) -> None:
+    """The states' shapes (batch `batch`) against the projection's and the parameters', or a ValueError."""
+    hv, dk, dv = recurrent[1:]
+    c, k_minus_1 = conv[1:]
+    if (c != 2 * n_k * dk + hv * dv or proj.shape[-1] != c + hv * dv + 2 * hv or hv % n_k
+            or taps.numel() != c * (k_minus_1 + 1) or recurrent[0] != batch or conv[0] != batch
+            or neg_a.numel() != hv or dt_bias.numel() != hv or norm_w.numel() != dv):
+        raise ValueError(f"GDN decode shapes disagree: proj {tuple(proj.shape)}, conv {tuple(conv)}, "
+                         f"recurrent {tuple(recurrent)}, taps {tuple(taps.shape)}, {n_k} key heads")
