@@ -82,3 +82,9 @@ def test_sigterm_stops_the_server_cleanly(hcw_serve):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_top_refuses_an_address_that_is_not_a_url():
+    result = CliRunner().invoke(app, ["top", "localhost:8080"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: URL must start with http:// or https://, got 'localhost:8080'"

@@ -55,3 +55,18 @@ def serve(
         fail(str(e), code=1)
     except sqlite3.DatabaseError as e:
         fail(f"cannot open the workbench database {db or '(the default one)'}: {e}", code=1)
+
+
+@app.command()
+def top(
+    url: str = typer.Argument("http://127.0.0.1:8080", help="the server's address (as `hcw serve` printed it)"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="HCW_API_KEY", help="the server's key, if it "
+                                       "needs one"),
+) -> None:
+    """Watch a running `hcw serve`: its stats, the requests it answers, and for each one the
+    validation panel and the segment state table of its prompt, live (q quits)."""
+    from workbench.serve.top import TopApp
+
+    if not url.startswith(("http://", "https://")):
+        fail(f"URL must start with http:// or https://, got {url!r}")
+    TopApp(url, api_key).run()

@@ -121,8 +121,10 @@ async def _respond(served: Served, endpoint: str, ids: list[int], params, body: 
     stops = body.stops()
     stream = TextStream(asyncio.get_running_loop(), served.tok, stops, set(served.eos))
 
+    loop = asyncio.get_running_loop()
+
     def on_done(result) -> None:  # the engine's thread: the watchers' event first (it reads the cache there)
-        served.events.finished(endpoint, req, result)
+        served.events.finished(endpoint, req, result, loop)
         stream.on_done(result)
 
     req = EngineRequest(ids, dataclasses.replace(params, stop_ids=tuple(served.eos)), on_token=stream.on_token,

@@ -8,13 +8,15 @@
                      counters (hit rate, usable vs logical tokens, validation failures, spills)
 
 A request's event is made on the engine's thread as the request leaves the batch (the cache's
-tables are read where they are written) and handed to every subscriber's queue on the loop. A
-subscriber that does not keep up loses its oldest events, never slows the server.
+tables are read where they are written) and handed to every subscriber's queue on the loop; a new
+subscriber gets the last RECENT first. A subscriber that does not keep up loses its oldest events,
+never slows the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 
@@ -27,6 +29,7 @@ from workbench.session import segment_rows
 from workbench.turns import TurnResult
 
 QUEUE = 256  # events a subscriber may fall behind by
+RECENT = 50  # finished requests a new watcher is shown first
 
 
 class EventHub:
@@ -34,11 +37,15 @@ class EventHub:
         self.served = served
         self.loop: asyncio.AbstractEventLoop | None = None
         self.subscribers: set[asyncio.Queue] = set()
+        self.recent: collections.deque[dict] = collections.deque(maxlen=RECENT)  # on the loop
         self.started = time.time()
 
     def subscribe(self) -> asyncio.Queue:
+        """A new watcher's queue, holding the last RECENT finished requests already."""
         self.loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue(QUEUE)
+        for event in self.recent:
+            q.put_nowait(("request", event))
         self.subscribers.add(q)
         return q
 
@@ -46,9 +53,9 @@ class EventHub:
         self.subscribers.discard(q)
 
     # the engine's thread
-    def finished(self, endpoint: str, req: Request, result: Generation | BaseException) -> None:
-        if not self.subscribers or self.loop is None:
-            return
+    def finished(self, endpoint: str, req: Request, result: Generation | BaseException, loop) -> None:
+        """A request left the batch: its event, made here, goes to the loop (`loop`: the request's)."""
+        self.loop = self.loop or loop
         self.loop.call_soon_threadsafe(self._publish, "request", self.request_event(endpoint, req, result))
 
     def request_event(self, endpoint: str, req: Request, result: Generation | BaseException) -> dict:
@@ -75,6 +82,8 @@ class EventHub:
                 "rss_mb": psutil.Process().memory_info().rss / 2**20, "cache": cache}
 
     def _publish(self, kind: str, data: dict) -> None:
+        if kind == "request":
+            self.recent.append(data)
         for q in list(self.subscribers):
             if q.full():
                 q.get_nowait()  # the oldest goes: a slow watcher never holds the server up

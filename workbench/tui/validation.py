@@ -16,8 +16,13 @@ STYLE = {"hit": "bold green", "degraded": "bold yellow", "recomputed": "bold red
 
 
 def render_plan(result: TurnResult | None) -> Text:
+    return render_lines(describe_plan(result))
+
+
+def render_lines(lines: list[str]) -> Text:
+    """describe_plan's lines, styled: the outcome by kind, each layer green (pass) or red (FAIL)."""
     text = Text()
-    for line in describe_plan(result):
+    for line in lines:
         if line.startswith("outcome:"):
             style = STYLE.get(line.split()[1], "")
         elif line.startswith("layer"):
@@ -30,6 +35,8 @@ def render_plan(result: TurnResult | None) -> Text:
 
 
 class ValidationPanel(VerticalScroll):
+    hint = " · /plan explains"  # after the line count on its border (hcw top has no /plan)
+
     def __init__(self, **kw):
         super().__init__(**kw)
         self.body = Static()
@@ -39,9 +46,13 @@ class ValidationPanel(VerticalScroll):
         yield self.body
 
     def show(self, result: TurnResult | None) -> None:
-        text = render_plan(result)
+        self.show_lines(describe_plan(result))
+
+    def show_lines(self, lines: list[str]) -> None:
+        """describe_plan's lines, as they came (`hcw top` gets them from a server)."""
+        text = render_lines(lines)
         self.text = text.plain
         self.body.update(text)
         n = len(self.text.splitlines())
-        self.border_subtitle = f"{n} line{'s' if n != 1 else ''} · /plan explains"
+        self.border_subtitle = f"{n} line{'s' if n != 1 else ''}{self.hint}"
         self.scroll_home(animate=False)
