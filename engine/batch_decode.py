@@ -2,12 +2,12 @@
 
 Each sequence owns its ModelState (batch 1, any length, dense or paged KV, made cold or by a
 prefix-cache hit); the set of states may change from one call to the next. The weight-heavy work
-runs once for all N rows: the embedding, every norm, the FFNs (dense or mixture of experts), each
-Gated DeltaNet's and gated attention's input and output projections, the LM head. Only what reads
-a sequence's state runs per row, on that state from that sequence's own position
-(engine/model/rows.py): a GDN layer's conv and recurrent step, an attention layer's KV write and
-attention, and each DeepSeek-V4 mixer whole. The native C decode kernels apply per row as in a
-single decode.
+runs once for all N rows: the embedding, every norm, the FFNs (dense or mixture of experts), every
+mixer's input and output projections, the LM head. Only what reads a sequence's state runs per
+row, on that state from that sequence's own position (engine/model/rows.py): a GDN layer's conv
+and recurrent step (one native call for every row), a full-attention layer's KV write and
+attention (the native kernels per row), a DeepSeek-V4 layer's window, compressors and indexer,
+their own projections included (then one attention over every row's gathered keys on the CPU).
 
 The result equals N calls of `Engine.decode` up to float rounding (a batched product sums in
 another order than one row's); one sequence takes the single-sequence path itself, bit for bit.

@@ -18,9 +18,14 @@ import torch
 import hf_reference as ref
 from engine import load_model
 from engine.cache.config import CacheConfig
+from engine.cache.gdn_state import GDNState
 from engine.cache.kv import KVState, PagedKVState
 from engine.cache.prefix_cache import PrefixCache
+from engine.config import ModelConfig
 from engine.engine import Engine
+from engine.model.random_init import hcw_hybrid_dict
+from engine.model.v4_attention import V4Attention
+from kernels.compressed_attention import attend_rows
 from kernels import dispatch
 
 STEPS = 20
@@ -136,6 +141,12 @@ def test_trained_models_batched_greedy_tokens_equal_per_sequence_decode(name, la
     assert [len(t) for t in pair.tokens_ref] == [STEPS - JOINS[i] - (STEPS - LEAVES.get(i, STEPS))
                                                  for i in range(len(LENGTHS))]
     assert [s.seq_len for s in pair.batch] == [s.seq_len for s in pair.ref]
+    # the hit's GDN layers record the decay statistics the cache certifies replays with
+    gdn = [(a, b) for a, b in zip(pair.ref[6].layers, pair.batch[6].layers) if isinstance(a, GDNState)]
+    assert gdn and all(b.tracking for _, b in gdn)
+    for a, b in gdn:
+        assert a.stats_end == b.stats_end == pair.ref[6].seq_len
+        assert torch.allclose(a.stats, b.stats, rtol=1e-4, atol=1e-6) and torch.allclose(a.norm, b.norm, rtol=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])
@@ -169,6 +180,38 @@ def test_random_families_with_a_cache_hit_among_cold_rows(family, models):
     pair, _ = _hit_pair(model, _prompts(model.config.vocab_size, seed=2))
     worst = pair.run(own_tokens=False)
     assert worst <= 1e-5, f"logits differ by {worst:.2e} of the largest"
+
+
+@pytest.mark.parametrize("kind, topk", [(SWA, 0), (HCA, 0), (CSA, 3)])
+def test_v4_rows_attend_over_gathered_keys_as_each_row_does_alone(kind, topk):
+    """V4 attention's batched step gathers each row's visible keys (`_visible`) and attends once
+    (`attend_rows`): against one `attend` a row, positions before and after the window fills, a
+    CSA choice with -1s and an entry the query cannot see yet."""
+    cfg = ModelConfig.from_dict(hcw_hybrid_dict(hidden=64, layer_types=(kind,), window=8, csa_rate=4, hca_rate=4,
+                                                index_topk=max(topk, 1)))
+    layer = V4Attention(cfg, kind)
+    with torch.no_grad():
+        layer.attn_sink.copy_(torch.randn(layer.n_heads))
+    g = torch.Generator().manual_seed(7)
+    rows, want = [], []
+    for position in (0, 3, 8, 13, 30):
+        held = min(position, layer.window - 1)  # the window a state keeps before this token
+        keys = torch.randn(1, held + 1, layer.head_dim, generator=g)
+        entries = torch.randn(1, (position + 1) // 4 + 1, layer.head_dim, generator=g) if kind != SWA else None
+        selected = None
+        if kind == CSA:
+            pick = torch.randperm(entries.shape[1], generator=g)[:topk].tolist() + [-1] * topk
+            selected = torch.tensor(pick[:topk])[None, None]
+        q = torch.randn(1, 1, layer.n_heads, layer.head_dim, generator=g)
+        seen = (keys, position - held, entries, selected)
+        want.append(layer._attend(q, torch.tensor([position]), *seen)[0, 0])
+        rows.append((q[0, 0], layer._visible(*seen, position)))
+    lengths = torch.tensor([k.shape[0] for _, k in rows])
+    got = attend_rows(torch.stack([q for q, _ in rows]), torch.nn.utils.rnn.pad_sequence([k for _, k in rows], True),
+                      lengths, layer.attn_sink, layer.head_dim ** -0.5)
+    assert (got - torch.stack(want)).abs().max().item() <= 1e-6
+    if kind == HCA:
+        assert lengths.tolist() == [1, 4 + 1, 8 + 2, 8 + 3, 8 + 7]  # the window's keys, then every closed entry
 
 
 @pytest.mark.parametrize("name", TRAINED)

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from engine.cache.v4_state import CompressedState, V4AttnState, WindowState
-from kernels.compressed_attention import attend
+from kernels.compressed_attention import attend, attend_rows
 from kernels.compressor import pool
+from kernels.dispatch import use_triton
 from kernels.indexer import score
 from engine.config import ModelConfig
 from engine.model.direct import Linear
@@ -234,17 +235,26 @@ class V4Attention(nn.Module):
     def forward(self, x: torch.Tensor, state: V4AttnState | None, start: int = 0) -> torch.Tensor:
         positions = torch.arange(start, start + x.shape[1], device=x.device)
         q_res, q, kv = self._project(x, positions)
-        return self._output(self._core(x, q_res, q, kv, positions, state, start), positions)
+        seen = self._advance(x, q_res, kv, positions, state, start)
+        return self._output(self._attend_blocks(q, positions, *seen), positions)
 
     def mix_rows(self, x: torch.Tensor, states: list[V4AttnState], starts: list[int]) -> torch.Tensor:
         """A batched decode step (engine/model/rows.py): x [N, 1, hidden], row i one token of
         sequence i at position starts[i]. The projections, norms and rotations take the N rows as
-        one pass's positions; what reads a state (window, compressors, indexer, attention) runs
-        per row."""
+        one pass's positions; each row's state advances on its own (window, compressors,
+        indexer); on the CPU one `attend_rows` then attends every row over its own keys."""
         positions = torch.tensor(starts, device=x.device)
         q_res, q, kv = self._project(x.transpose(0, 1), positions)  # [1, N, ...]
-        out = torch.cat([self._core(x[i:i + 1], q_res[:, i:i + 1], q[:, i:i + 1], kv[:, i:i + 1], positions[i:i + 1],
-                                    state, start) for i, (state, start) in enumerate(zip(states, starts))], dim=1)
+        seen = [self._advance(x[i:i + 1], q_res[:, i:i + 1], kv[:, i:i + 1], positions[i:i + 1], state, start)
+                for i, (state, start) in enumerate(zip(states, starts))]
+        if use_triton(q):
+            out = torch.cat([self._attend_blocks(q[:, i:i + 1], positions[i:i + 1], *row)
+                             for i, row in enumerate(seen)], dim=1)
+        else:
+            keys = [self._visible(*row, start) for row, start in zip(seen, starts)]
+            lengths = torch.tensor([k.shape[0] for k in keys], device=x.device)
+            padded = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [N, K, D]
+            out = attend_rows(q[0], padded, lengths, self.attn_sink, self.head_dim ** -0.5)[None]  # [1, N, H, D]
         return self._output(out, positions).transpose(0, 1)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,10 +267,11 @@ class V4Attention(nn.Module):
         kv = self.rotary.apply(self.norm(self.wkv(x)).unsqueeze(2), positions).squeeze(2)  # [B, T, D]
         return q_res, q, kv
 
-    def _core(self, x, q_res, q, kv, positions, state: V4AttnState | None, start: int) -> torch.Tensor:
-        """What reads or advances `state`: the window, the compressors, the indexer and the
-        attention over them -> [B, T, H, D], still rotated by each query's angle."""
-        b, t, _ = x.shape
+    def _advance(self, x, q_res, kv, positions, state: V4AttnState | None, start: int):
+        """What reads or advances `state`: the window, the compressors and the indexer -> what the
+        queries attend to: (window keys [B, Kw, D], their first position, compressed entries
+        [B, n, D] or None, the indexer's choice [B, T, k] or None)."""
+        t = x.shape[1]
         keys, key_start = kv, start
         if state is not None:
             keys = torch.cat([state.window.kv, kv], dim=1)
@@ -294,12 +305,31 @@ class V4Attention(nn.Module):
                     raise ValueError(f"a replay from inside the last window cannot rebuild its tail (rate {comp.rate})")
             state.replay_end = None  # rebuilt: from here on the layer runs as usual
 
-        out = torch.empty(b, t, self.n_heads, self.head_dim, dtype=q.dtype, device=x.device)
+        return keys, key_start, entries, selected
+
+    def _attend_blocks(self, q, positions, keys, key_start, entries, selected) -> torch.Tensor:
+        """q [B, T, H, D] at `positions` over what `_advance` returned -> [B, T, H, D], still
+        rotated by each query's angle; QUERY_BLOCK queries at a time."""
+        b, t = q.shape[:2]
+        out = torch.empty(b, t, self.n_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for lo in range(0, t, QUERY_BLOCK):
             hi = min(lo + QUERY_BLOCK, t)
             out[:, lo:hi] = self._attend(q[:, lo:hi], positions[lo:hi], keys, key_start, entries,
                                          None if selected is None else selected[:, lo:hi])
         return out
+
+    def _visible(self, keys, key_start, entries, selected, position: int) -> torch.Tensor:
+        """One sequence's (batch 1) keys a query at `position` attends to, [K, D]: the window's,
+        then the compressed entries it sees (CSA: those the indexer chose)."""
+        lo = max(position - self.window + 1, key_start)
+        window = keys[0, lo - key_start:position + 1 - key_start]
+        if entries is None or entries.shape[1] == 0:
+            return window
+        n_vis = min((position + 1) // self.rate, entries.shape[1])
+        if selected is None:
+            return torch.cat([window, entries[0, :n_vis]])
+        chosen = selected[0, -1]
+        return torch.cat([window, entries[0, chosen[(chosen >= 0) & (chosen < n_vis)]]])
 
     def _output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The attention's output [B, T, H, D] at `positions` [T] -> [B, T, hidden]."""

@@ -16,4 +16,7 @@ def attend(q, q_start, keys, key_start, window, entries, rate, selected, sink, s
     return reference.attend(q, q_start, keys, key_start, window, entries, rate, selected, sink, scale)
 
 
-__all__ = ["attend"]
+# a batched decode step's rows, each over its own keys: torch only (on CUDA the rows take `attend`)
+attend_rows = reference.attend_rows
+
+__all__ = ["attend", "attend_rows"]

@@ -46,3 +46,18 @@ def attend(q, q_start: int, keys, key_start: int, window: int, entries, rate: in
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1].to(q.dtype)
     v = torch.cat(values, dim=1)  # [B, K, D]
     return torch.einsum("bhqk,bkd->bqhd", probs, v)
+
+
+def attend_rows(q, kv, lengths, sink, scale: float):
+    """One decode query per row, each over keys of its own (a batched decode step of independent
+    sequences): q [N, H, D]; kv [N, K, D] (K = V), row i's first lengths[i] vectors the keys its
+    query sees (the window's, then the visible or chosen compressed entries), the rest padding;
+    sink [H] float32 -> [N, H, D] in q's dtype. `attend`'s arithmetic over the same keys, gathered
+    instead of masked: equal to it up to float32 summation order."""
+    logits = torch.einsum("nhd,nkd->nhk", q, kv) * scale
+    padding = torch.arange(kv.shape[1], device=q.device)[None, :] >= lengths[:, None]  # [N, K]
+    logits = logits.masked_fill(padding[:, None], float("-inf"))
+    sink = sink.float().view(1, -1, 1).expand(*logits.shape[:2], 1)
+    logits = torch.cat([logits.float(), sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1].to(q.dtype)
+    return torch.einsum("nhk,nkd->nhd", probs, kv)

@@ -29,7 +29,9 @@ class Step(NamedTuple):
     bv: torch.Tensor | None  # [B, 1, Hv]: beta * |v|, for the decay statistics (with `stats`)
 
 
-class Rows(NamedTuple):
+class RowSteps(NamedTuple):
+    """`decode_rows`' result: one token of each of B sequences whose states are tensors of their own."""
+
     out: torch.Tensor  # [B, Hv * Dv] float32: the gated-norm outputs, out_proj's input
     conv: list[torch.Tensor]  # each sequence's new conv window [1, C, K-1]
     recurrent: list[torch.Tensor]  # each sequence's new recurrent state [1, Hv, Dk, Dv] float32
@@ -82,7 +84,7 @@ def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
 
 def decode_rows(proj: torch.Tensor, conv: list[torch.Tensor], recurrent: list[torch.Tensor], taps: torch.Tensor,
                 neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor,
-                n_k: int, l2_eps: float, norm_eps: float, stats: bool = True) -> Rows:
+                n_k: int, l2_eps: float, norm_eps: float, stats: bool = True) -> RowSteps:
     """`decode_step` for B sequences whose states are tensors of their own: proj [B, 1, width]
     (row b sequence b's); conv[b] [1, C, K-1] and recurrent[b] [1, Hv, Dk, Dv] float32, sequence
     b's states. Row b of the result is what `decode_step(proj[b:b+1], conv[b], recurrent[b], ...)`
@@ -114,7 +116,7 @@ def decode_rows(proj: torch.Tensor, conv: list[torch.Tensor], recurrent: list[to
         pointers(*(t.data_ptr() for t in recurrent)), pointers(*(t.data_ptr() for t in rec_new)),
         norm_w.data_ptr(), out.data_ptr(), g.data_ptr() if stats else None, bv.data_ptr() if stats else None,
         b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps)
-    return Rows(out, conv_new, rec_new, g, bv)
+    return RowSteps(out, conv_new, rec_new, g, bv)
 
 
 def _check_shapes(proj: torch.Tensor, conv: torch.Size, recurrent: torch.Size, taps: torch.Tensor,
