@@ -43,6 +43,10 @@ class Row(NamedTuple):
     batched: float  # aggregate tokens/s of one decode_batch call a step
     one_stream: float  # tokens/s of one sequence through Engine.decode
 
+    def as_dict(self) -> dict:
+        return {**self._asdict(), "sequential_ratio": self.sequential / self.one_stream,
+                "batched_ratio": self.batched / self.one_stream}
+
     def line(self) -> str:
         return (f"| {self.model} | {self.n} | {self.sequential:.0f} | {self.batched:.0f} | "
                 f"{self.sequential / self.one_stream:.2f} | {self.batched / self.one_stream:.2f} |")
@@ -108,7 +112,7 @@ def main() -> None:
     rows = [row for name in MODELS for row in measure(name, rounds, steps)]
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "rounds": rounds, "steps": steps,
-                          "rows": [row._asdict() for row in rows]}, indent=2))
+                          "rows": [row.as_dict() for row in rows]}, indent=2))
         return
     body = "\n".join([
         f"Prompts of 64-512 tokens, greedy; medians of {rounds} interleaved rounds of {steps} steps, "
