@@ -227,7 +227,10 @@ def test_metrics_count_requests_outcomes_and_latencies(server):
 
 
 def test_the_event_stream_shows_each_request_with_its_plan_and_segments(server):
-    _, base = server
+    served, base = server
+    long = "Remember: the code for Ada is 5512, the code for Bo is 7301, the code for Cyd is 6649. " + MIRA
+    messages = [{"role": "user", "content": long}]
+    n = len(served.tok.apply_chat_template(messages, add_generation_prompt=True))
     events = []
     ready = threading.Event()
 
@@ -240,19 +243,17 @@ def test_the_event_stream_shows_each_request_with_its_plan_and_segments(server):
                 elif line.startswith("data: "):
                     events.append((kind, json.loads(line[6:])))
                     ready.set()
-                    if kind == "request":
+                    if kind == "request" and events[-1][1]["prompt_tokens"] == n:
                         return
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    assert ready.wait(30)  # the stats event every watcher gets first
-    long = "Remember: the code for Ada is 5512, the code for Bo is 7301, the code for Cyd is 6649. " + MIRA
-    client(base).chat.completions.create(model="hcw-tiny", temperature=0, max_tokens=8,
-                                         messages=[{"role": "user", "content": long}])
+    assert ready.wait(30)  # every watcher hears something at once: the last requests, the stats
+    client(base).chat.completions.create(model="hcw-tiny", temperature=0, max_tokens=8, messages=messages)
     watcher.join(60)
-    assert events[0][0] == "stats" and events[0][1]["model"] == "hcw-tiny"
+    assert any(kind == "stats" and data["model"] == "hcw-tiny" for kind, data in events)
     kind, request = events[-1]
-    assert kind == "request" and request["endpoint"] == "chat"
+    assert kind == "request" and request["endpoint"] == "chat" and request["prompt_tokens"] == n
     assert request["plan"][0].startswith("outcome: ")
     assert [line.split(":")[0] for line in request["plan"][2:6]] == [
         "layer 1 alignment", "layer 2 kernel interface", "layer 3 group intersection", "layer 4 byte alignment"]

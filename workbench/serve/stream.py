@@ -49,11 +49,20 @@ class TextStream:
 
     # the loop
     async def events(self) -> AsyncIterator[Delta | Done]:
+        """Text deltas, then Done. Tokens that queued up while the loop was busy go out as one delta
+        (fewer, larger chunks when many streams run: each chunk costs the loop, and so the engine's
+        thread, its share of the GIL)."""
         text, shown, cut = "", 0, False
         hold = max((len(s) for s in self.stops), default=1) - 1
         while True:
-            item = await self.queue.get()
-            if isinstance(item, int):
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            end = None
+            for item in items:
+                if not isinstance(item, int):
+                    end = item  # the result: always the last thing queued
+                    break
                 if cut or item in self.eos:
                     continue
                 text += self.decoder.push(item)
@@ -61,25 +70,22 @@ class TextStream:
                 if hit is not None:
                     text, cut = text[:hit], True
                     self.request.cancel()  # the rest is not wanted: free the slot at the next step
-                    if len(text) > shown:
-                        yield Delta(text[shown:])
-                    shown = len(text)
-                    continue
-                safe = len(text) - hold
-                if safe > shown:
-                    yield Delta(text[shown:safe])
-                    shown = safe
+            if end is None:
+                visible = len(text) if cut else len(text) - hold
+                if visible > shown:
+                    yield Delta(text[shown:visible])
+                    shown = visible
                 continue
-            if not cut and not isinstance(item, BaseException):
+            if not cut and not isinstance(end, BaseException):
                 text += self.decoder.flush()
                 hit = self._stop_at(text, shown)
                 if hit is not None:
                     text, cut = text[:hit], True
-            if not isinstance(item, BaseException) and len(text) > shown:
+            if not isinstance(end, BaseException) and len(text) > shown:
                 yield Delta(text[shown:])
-            reason = "stop" if cut else "length" if isinstance(item, Generation) and item.stop_reason in (
+            reason = "stop" if cut else "length" if isinstance(end, Generation) and end.stop_reason in (
                 "length", "context") else "stop"
-            yield Done(item, reason, text)
+            yield Done(end, reason, text)
             return
 
     def _stop_at(self, text: str, shown: int) -> int | None:
