@@ -11,7 +11,7 @@ import pytest
 from engine.engine import Generation, SamplingParams, Timings
 from engine.scheduler import Request
 from engine.tokenizer import ByteTokenizer
-from workbench.serve.stream import Delta, Done, TextStream
+from workbench.serve.stream import Delta, Done, LoopPoster, TextStream
 
 TOK = ByteTokenizer()
 
@@ -20,7 +20,7 @@ def run(text: str, stops: list[str], together: bool, reason: str = "length") -> 
     """The stream's deltas and end for `text`'s tokens, sent one at a time (each taken before the
     next) or all queued up before the loop looks."""
     async def go():
-        stream = TextStream(asyncio.get_running_loop(), TOK, stops, set(TOK.eos_ids))
+        stream = TextStream(LoopPoster(asyncio.get_running_loop()), TOK, stops, set(TOK.eos_ids))
         stream.request = Request([1], SamplingParams())
         ids = TOK.encode(text)
         seen = []

@@ -119,7 +119,7 @@ async def _respond(served: Served, endpoint: str, ids: list[int], params, body: 
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context limit is {limit}, which must "
                             "leave room for one generated token", code="context_length_exceeded")
     stops = body.stops()
-    stream = TextStream(asyncio.get_running_loop(), served.tok, stops, set(served.eos))
+    stream = TextStream(served.poster(), served.tok, stops, set(served.eos))
 
     loop = asyncio.get_running_loop()
 

@@ -1,6 +1,7 @@
 """One request's answer crossing from the engine's thread to the event loop, as text.
 
-The scheduler calls `on_token` / `on_done` on its own thread; they only queue onto the loop.
+The scheduler calls `on_token` / `on_done` on its own thread; they only queue onto the loop,
+through a `LoopPoster`: the tokens of one decode step (one per running request) wake the loop once.
 `TextStream.events()` turns the ids into text deltas (whole characters only), holds back what
 could be the start of a stop string, cuts the answer at one (cancelling the request so that its
 slot frees at the next step), and ends with the engine's result.
@@ -9,6 +10,8 @@ slot frees at the next step), and ends with the engine's result.
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,9 +33,36 @@ class Done:
     text: str  # the whole answer, cut at a stop string
 
 
-class TextStream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, tok: Tokenizer, stops: list[str], eos: set[int]):
+class LoopPoster:
+    """Calls from another thread run on the loop, as many as are waiting per wakeup: each
+    call_soon_threadsafe writes the loop's wake-up pipe, and a step of a batch of 8 would
+    otherwise wake it 8 times, each time taking the GIL from the engine's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+        self.calls: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def post(self, fn, arg) -> None:
+        self.calls.append((fn, arg))
+        with self.lock:
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        with self.lock:
+            self.scheduled = False  # a call posted from now on wakes the loop again
+        while self.calls:
+            fn, arg = self.calls.popleft()
+            fn(arg)
+
+
+class TextStream:
+    def __init__(self, poster: LoopPoster, tok: Tokenizer, stops: list[str], eos: set[int]):
+        self.poster = poster
         self.queue: asyncio.Queue = asyncio.Queue()
         self.decoder = StreamDecoder(tok)
         self.stops, self.eos = stops, eos
@@ -42,10 +72,10 @@ class TextStream:
     # the engine's thread
     def on_token(self, token: int) -> None:
         self.token_times.append(time.perf_counter())
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, token)
+        self.poster.post(self.queue.put_nowait, token)
 
     def on_done(self, result: Generation | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, result)
+        self.poster.post(self.queue.put_nowait, result)
 
     # the loop
     async def events(self) -> AsyncIterator[Delta | Done]:
