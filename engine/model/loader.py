@@ -22,6 +22,7 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ConfigError, ModelConfig, parse_dtype
+from engine.model.file_pages import drop_resident, file_ranges
 from engine.model.fused import FusedLinear
 from engine.model.hybrid import HybridModel
 from engine.model.weights_digest import files_digest, header_digest
@@ -67,12 +68,18 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:  # sizes no model can have
         raise ConfigError(f"{folder / 'config.json'} describes no model hcw can build ({type(e).__name__}: {e})") from None
     files = _weight_files(folder)
-    state = _to_our_names(cfg, _read_safetensors(files))  # (no second reference: each original is freed when replaced)
-    _check(model, state)
-    _fuse(model, state)
-    state = {k: v.to(device=device, dtype=_param_dtype(cfg, k, v, dtype)) for k, v in state.items()}
-    if torch.device(device).type == "cpu":
-        _store_transposed(model, state)
+    # the files stay open while the weights are built, so that the pages read to build one can be
+    # given back at once (engine/model/file_pages.py): every weight is then held once, in its final
+    # layout; one used as stored stays a view of the mapping, read from the file on first use
+    with contextlib.ExitStack() as files_open:
+        raw, mapped = _read_safetensors(files, files_open)
+        state = _to_our_names(cfg, raw)  # (no second reference: each original is freed when replaced)
+        del raw
+        _check(model, state)
+        dropper = _Dropper(mapped)
+        _fuse(model, state, dropper)
+        transposed = _transposed_names(model) if torch.device(device).type == "cpu" else set()
+        _final_layout(cfg, state, dtype, device, transposed, dropper)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -153,16 +160,21 @@ def _weight_files(folder: Path) -> list[Path]:
     return out
 
 
-def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def _read_safetensors(files: list[Path], files_open: contextlib.ExitStack
+                      ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+    """Every tensor of the files (views of their mappings), and the mappings' address ranges; the
+    files are closed when `files_open` closes (the mappings live on in the views kept)."""
     out: dict[str, torch.Tensor] = {}
+    mapped: list[tuple[int, int]] = []
     for shard in files:
         try:
-            with safe_open(str(shard), framework="pt") as f:
-                for key in f.keys():
-                    out[key] = f.get_tensor(key)
+            f = files_open.enter_context(safe_open(str(shard), framework="pt"))
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise WeightsError(f"{shard} cannot be read as safetensors: {e}") from None
-    return out
+        mapped += file_ranges(shard, list(tensors.values()))
+        out.update(tensors)
+    return out, mapped
 
 
 def _to_our_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -239,19 +251,58 @@ def _split_fused_gdn(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> None:
         out[base + "in_proj_a.weight"] = a.reshape(-1, h)
 
 
-def _store_transposed(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
-    """fp32 projection weights keep their [out, in] shape but are stored [in, out] (a transposed
-    view of a contiguous copy). On the CPU a one-token fp32 matmul reads such a weight ~1.5x
-    faster: the decode step's projections, 1.51 -> 1.04 ms for this repo's benchmark model (30 MB
-    of weights: decode after 1K 3.3 -> 2.5 ms, and [in, out] is what `direct.Linear` splits across
-    threads). MKL's prefill GEMMs lost ~3-5% on it; prefill now goes through oneDNN
+def _transposed_names(model: HybridModel) -> set[str]:
+    """The weights that are stored [in, out] on the CPU when they are fp32 (a transposed view of a
+    contiguous copy): every projection's. On the CPU a one-token fp32 matmul reads such a weight
+    ~1.5x faster: the decode step's projections, 1.51 -> 1.04 ms for this repo's benchmark model
+    (30 MB of weights: decode after 1K 3.3 -> 2.5 ms, and [in, out] is what `direct.Linear`
+    splits across threads). MKL's prefill GEMMs lost ~3-5% on it; prefill now goes through oneDNN
     (`direct.linear`), which reads both layouts at the same speed. fp16 and bf16 are left alone:
     their CPU kernels are slower on this layout (fp16 many times over: 147 us -> 8.2 ms a row)."""
-    for name, mod in model.named_modules():
-        key = f"{name}.weight"
-        if (isinstance(mod, nn.Linear) and key in state and state[key].dim() == 2
-                and state[key].dtype == torch.float32):
-            state[key] = state[key].t().contiguous().t()
+    return {f"{name}.weight" for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+
+
+# bytes of weights built between two give-backs of the file pages their sources were read from
+_DROP_EVERY = 64 << 20
+
+
+class _Dropper:
+    """Gives the mapped files' pages back after every _DROP_EVERY bytes built from them."""
+
+    def __init__(self, mapped: list[tuple[int, int]]):
+        self.mapped, self.built = mapped, 0
+
+    def add(self, nbytes: int) -> None:
+        self.built += nbytes
+        if self.built >= _DROP_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        drop_resident(self.mapped)
+        self.built = 0
+
+
+def _final_layout(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                  transposed: set[str], dropper: _Dropper) -> None:
+    """Each tensor in its dtype, on its device and (fp32 projections on the CPU) stored [in, out]:
+    itself when it already is, else one copy made a block of rows at a time, the file pages read
+    for each block given back as it goes, so that a load never holds much more than the weights."""
+    for k, v in state.items():
+        dt = _param_dtype(cfg, k, v, dtype)
+        flip = k in transposed and v.dim() == 2 and dt == torch.float32
+        if not flip and v.dtype == dt and v.device == torch.device(device):
+            continue
+        w = torch.empty(v.shape[::-1] if flip else v.shape, dtype=dt, device=device)
+        w = w.t() if flip else w
+        if v.dim() == 0:
+            w.copy_(v)
+        else:
+            step = max(1, _DROP_EVERY // max(1, v[0].nbytes))
+            for lo in range(0, len(v), step):
+                w[lo:lo + step].copy_(v[lo:lo + step])
+                dropper.add(v[lo:lo + step].nbytes)
+        state[k] = w
+    dropper.flush()
 
 
 def _fused_modules(model: HybridModel):
@@ -263,9 +314,13 @@ def _fused_modules(model: HybridModel):
                 yield f"{name}.{attr}", [(f"{parent}.{part}.{attr}", rows) for part, rows in mod.parts.items()]
 
 
-def _fuse(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
+def _fuse(model: HybridModel, state: dict[str, torch.Tensor], dropper: _Dropper) -> None:
+    """Each fused weight made from its parts, which are dropped (and the file pages they were read
+    from given back)."""
     for fused, parts in _fused_modules(model):
         state[fused] = torch.cat([state.pop(part) for part, _ in parts])
+        dropper.add(state[fused].nbytes)
+    dropper.flush()
 
 
 def checkpoint_layout(model: HybridModel) -> dict[str, torch.Tensor]:
