@@ -138,3 +138,9 @@ def test_a_cached_copy_of_a_weight_is_counted(ran_model):
         assert _held_bytes(ran_model) > _weight_bytes(ran_model) + DERIVED
     finally:
         head.__dict__["_derived"].pop("flipped")
+
+
+def test_show_reports_the_weights_bytes(model_dir, ran_model):
+    from workbench.catalog import describe
+
+    assert describe(model_dir)["weight_bytes"]["bf16"] == _weight_bytes(ran_model)

@@ -92,6 +92,18 @@ def parameters(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def weight_bytes(cfg: ModelConfig) -> dict[str, int]:
+    """Bytes of the weights as loaded under each dtype (tied embeddings once; the loader holds each
+    weight once, so this is what they take in memory), counted on the meta device."""
+    from engine.model.hybrid import HybridModel
+    from engine.model.loader import _param_dtype
+
+    with torch.device("meta"):
+        model = HybridModel(cfg)
+    return {name: sum(p.numel() * _param_dtype(cfg, k, p, dtype).itemsize for k, p in model.named_parameters())
+            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+
+
 def describe(name: str | Path) -> dict:
     """A built-in model's name or a folder: ConfigError (a ValueError) when it is neither or
     its config cannot be run."""
@@ -107,6 +119,7 @@ def describe(name: str | Path) -> dict:
         "layer_kinds": {k: kinds[k] for k in SHORT if k in kinds},
         "layer_types": list(cfg.layer_types),
         "parameters": parameters(cfg),
+        "weight_bytes": weight_bytes(cfg),
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "context": cfg.max_position_embeddings,
@@ -165,6 +178,7 @@ def details(m: dict) -> str:
         f"{m['name']}  ({m['path']})",
         f"  model_type   {m['model_type']}",
         f"  parameters   {count(m['parameters'])} ({m['parameters']:,})",
+        f"  weights      {'   '.join(f'{size(n)} in {dt}' for dt, n in m['weight_bytes'].items())} (held once)",
         f"  layers       {m['layers']}: {kinds_line(m)}",
         f"  order        {' '.join(SHORT[k] for k in m['layer_types'])}",
         f"  hidden       {m['hidden_size']}   vocab {m['vocab_size']}   context {m['context']}"
