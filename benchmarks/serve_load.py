@@ -6,7 +6,7 @@ The server runs as `hcw serve` does, in a process of its own; the clients are th
 streaming its requests one after another through /v1/completions (token-id prompts, so lengths are
 exact; greedy; `ignore_eos` so every answer is max_tokens long). The streams' rounds alternate
 their order, and each ratio is against the one-stream run of the same round, on the same server.
-llama.cpp's `llama-server` gets the same load when it is on PATH (with --gguf FILE).
+llama.cpp's `llama-server --parallel 8` is not driven yet: the report says whether one was found.
 
     python benchmarks/serve_load.py [--quick] [--no-write] [--models hcw-tiny,hcw-tiny-qwen3.5]
 """
@@ -162,7 +162,7 @@ def main() -> None:
     body = table(results, max_tokens, prefix)
     llama = shutil.which("llama-server")
     note = ("llama.cpp's `llama-server --parallel 8` on the same weights: " +
-            ("not run by this script yet." if llama else "not run: no `llama-server` on PATH on this machine "
+            ("not run: this script does not drive it yet." if llama else "not run: no `llama-server` on PATH on this machine "
              "(the bench-llamacpp extra builds the Python binding, not the server)."))
     threads = f"--threads {args.threads}" if args.threads else "its default threads"
     body = (f"`hcw serve` ({threads}) in its own process, loopback clients streaming /v1/completions: {max_tokens}-token greedy "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,10 @@ class QueueFull(RuntimeError):
     """The scheduler's waiting queue holds its limit of requests."""
 
 
+class Unavailable(QueueFull):
+    """The scheduler takes no more requests: it is stopping, or its thread failed."""
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -46,9 +51,13 @@ class Request:
     id: int = field(default_factory=itertools.count(1).__next__)
     submitted: float = field(default_factory=time.perf_counter)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    cancel_reason: str = "cancelled"
 
-    def cancel(self) -> None:
-        """Stop this request at the next chunk or step boundary (any thread)."""
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop this request at the next chunk or step boundary (any thread); `reason` is the stop
+        reason it ends with ("stop": the caller found a stop string of its own)."""
+        if not self._cancel.is_set():
+            self.cancel_reason = reason
         self._cancel.set()
 
     @property
@@ -84,7 +93,7 @@ class Running:
         if token in self.stops:
             self.reason = "stop"
         elif self.request.cancelled:
-            self.reason = "cancelled"
+            self.reason = self.request.cancel_reason
         elif len(self.out) == self.request.params.max_new_tokens:
             self.reason = "length"
         elif self.run.state.seq_len >= self.limit:
@@ -109,6 +118,7 @@ class Scheduler:
         self.running: list[Running] = []
         self.steps = 0  # decode steps run (each advances every running request by one token)
         self.on_step: Callable[[Scheduler], None] | None = None  # after every decode step (metrics)
+        self.failure: BaseException | None = None  # what ended the engine's thread, if anything did
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hcw-scheduler", daemon=True)
 
@@ -129,9 +139,16 @@ class Scheduler:
         self._stop.set()
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """Started, not stopped, and its thread running (False after a failure: `failure` says why)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def submit(self, request: Request) -> Request:
+        if self.failure is not None:
+            raise Unavailable(f"the engine's thread failed ({type(self.failure).__name__}: {self.failure})")
         if self._stop.is_set():
-            raise QueueFull("the scheduler is stopping")
+            raise Unavailable("the server is stopping")
         if self.waiting.qsize() >= self.max_queue:
             raise QueueFull(f"{self.max_queue} requests are waiting already")
         self.engine.check_prompt(request.prompt_ids)  # PromptError now, not later on the engine's thread
@@ -139,43 +156,60 @@ class Scheduler:
         return request
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.running:
-                try:
-                    first = self.waiting.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                self._admit(first)
-            while len(self.running) < self.max_batch:
-                try:
-                    self._admit(self.waiting.get_nowait())
-                except queue.Empty:
-                    break
-            if self.running:
-                self._step()
+        try:
+            while not self._stop.is_set():
+                self._drop_cancelled()
+                if not self.running:
+                    try:
+                        first = self.waiting.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    self._admit(first)
+                while len(self.running) < self.max_batch:
+                    try:
+                        self._admit(self.waiting.get_nowait())
+                    except queue.Empty:
+                        break
+                if self.running:
+                    self._step()
+            ended: BaseException = Cancelled("the server is stopping")
+        except BaseException as e:  # noqa: BLE001 - the engine's thread must not die silently: say so to all
+            self.failure = e
+            ended = e
+            print(f"error: the engine's thread failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         for r in self.running:
             r.request.cancel()
             r.reason = "cancelled"
             self._finish(r)
-        self.running.clear()
+        self.running = []
         while not self.waiting.empty():
-            self._fail(self.waiting.get_nowait(), Cancelled("the server is stopping"))
+            self._fail(self.waiting.get_nowait(), ended)
+
+    def _drop_cancelled(self) -> None:
+        """Requests cancelled while they wait leave the queue now, not when a slot frees."""
+        with self.waiting.mutex:
+            gone = [r for r in self.waiting.queue if r.cancelled]
+            for r in gone:
+                self.waiting.queue.remove(r)
+        for r in gone:
+            self._fail(r, Cancelled("cancelled while waiting"))
 
     def _admit(self, request: Request) -> None:
         if request.cancelled:  # gone before its turn (a client that disconnected while queued)
             self._fail(request, Cancelled("cancelled while waiting"))
             return
         t0 = time.perf_counter()
+        run = None
         try:
-            run = self.engine.start(request.prompt_ids, should_stop=lambda: request.cancelled)
-        except Cancelled as stopped:
-            self._fail(request, stopped)
-            return
-        except Exception as e:  # noqa: BLE001 - one request's failure is its own; the batch runs on
+            run = self.engine.start(request.prompt_ids,
+                                    should_stop=lambda: request.cancelled or self._stop.is_set())
+            r = Running(request, run, self.eos, self.engine.context_limit, 1000 * (time.perf_counter() - t0),
+                        self.engine.model.device)
+        except Exception as e:  # noqa: BLE001 - one request's failure (Cancelled too) is its own; the batch runs on
+            if run is not None:
+                run.finish()
             self._fail(request, e)
             return
-        r = Running(request, run, self.eos, self.engine.context_limit, 1000 * (time.perf_counter() - t0),
-                    self.engine.model.device)
         if request.params.max_new_tokens == 0:
             r.reason = "length"
             self._finish(r)
@@ -222,9 +256,19 @@ class Scheduler:
         r.run.finish()  # the admission ticket back, the segments saved
         result = r.result()
         r.run = None  # the state goes with it (a paged state's blocks back to the pool)
-        if r.request.on_done is not None:
-            r.request.on_done(result)
+        self._tell(r.request, result)
 
     def _fail(self, request: Request, error: BaseException) -> None:
-        if request.on_done is not None:
-            request.on_done(error)
+        self._tell(request, error)
+
+    @staticmethod
+    def _tell(request: Request, result: Generation | BaseException) -> None:
+        """The request's on_done; a callback that raises is the caller's bug, said on stderr, and
+        must not stop the thread every other request depends on."""
+        if request.on_done is None:
+            return
+        try:
+            request.on_done(result)
+        except Exception as e:  # noqa: BLE001 - reported, not hidden: the line below
+            print(f"error: request {request.id}'s on_done raised {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)

@@ -170,3 +170,45 @@ def test_stopping_fails_what_waits(model):
     scheduler._thread.start()
     scheduler._thread.join(10)
     assert len(results) == 1 and isinstance(results[0], Cancelled)
+
+
+def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(model):
+    scheduler = Scheduler(Engine(model), max_batch=1)
+    started = threading.Event()
+    long = Request(prompts(1)[0], SamplingParams(max_new_tokens=10_000, greedy=True, ignore_eos=True),
+                   on_token=lambda t: started.set())
+    told = []
+    waiting = Request(prompts(2)[1], SamplingParams(max_new_tokens=3), on_done=told.append)
+    scheduler.submit(long)
+    scheduler.submit(waiting)
+    scheduler.start()
+    assert started.wait(60)
+    waiting.cancel()
+    for _ in range(400):
+        if told:
+            break
+        threading.Event().wait(0.01)
+    assert scheduler.queue_depth == 0 and isinstance(told[0], Cancelled)
+    assert scheduler.batch_size == 1  # while the long one still runs
+    long.cancel()
+    scheduler.stop()
+
+
+def test_a_callback_that_raises_does_not_stop_the_engine_thread(model, capsys):
+    def bad(result):
+        raise ValueError("a caller's bug")
+
+    sp = SamplingParams(max_new_tokens=3, greedy=True, ignore_eos=True)
+    scheduler = Scheduler(Engine(model))
+    scheduler.submit(Request(prompts(1)[0], sp, on_done=bad))
+    got = run_all(scheduler, [Request(prompts(2)[1], sp)])
+    assert len(got[0].token_ids) == 3 and scheduler.failure is None
+    assert "on_done raised ValueError: a caller's bug" in capsys.readouterr().err
+
+
+def test_a_caller_stop_ends_the_request_with_reason_stop(model):
+    seen = []
+    r = Request(prompts(1)[0], SamplingParams(max_new_tokens=50, greedy=True, ignore_eos=True))
+    r.on_token = lambda t: (seen.append(t), len(seen) == 3 and r.cancel("stop"))
+    got = run_all(Scheduler(Engine(model)), [r])[0]
+    assert got.stop_reason == "stop" and len(got.token_ids) == 3

@@ -119,6 +119,8 @@ def test_models_and_health(server):
     ({"model": "hcw-tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ({"model": "hcw-tiny", "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
     ({"model": "hcw-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "hcw-tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
+    ({"model": "hcw-tiny", "messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed"),
 ])
 def test_bad_chat_requests_get_an_openai_error_body(server, body, status, param):
     _, base = server
@@ -258,3 +260,28 @@ def test_the_event_stream_shows_each_request_with_its_plan_and_segments(server):
     assert [line.split(":")[0] for line in request["plan"][2:6]] == [
         "layer 1 alignment", "layer 2 kernel interface", "layer 3 group intersection", "layer 4 byte alignment"]
     assert request["segments"] and request["segments"][0]["tokens"] == [0, 64]
+
+
+def test_a_dead_engine_thread_is_said_by_health_and_every_request(tmp_path):
+    with serving("hcw-tiny", tmp_path / "w.db") as (served, base):
+        def broken():
+            raise RuntimeError("simulated")
+        served.scheduler._drop_cancelled = broken  # the next turn of the engine's loop fails
+        for _ in range(200):
+            if served.scheduler.failure is not None:
+                break
+            time.sleep(0.05)
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and "simulated" in health.json()["error"]
+        r = httpx.post(f"{base}/v1/chat/completions",
+                       json={"model": "hcw-tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and "engine's thread failed" in r.json()["error"]["message"]
+
+
+def test_a_sampled_request_with_a_huge_seed_is_refused_and_the_server_goes_on(server):
+    _, base = server
+    body = {"model": "hcw-tiny", "messages": [{"role": "user", "content": MIRA}], "seed": 2**64, "max_tokens": 4}
+    assert httpx.post(f"{base}/v1/chat/completions", json=body).status_code == 400
+    ok = client(base).chat.completions.create(model="hcw-tiny", temperature=0, max_tokens=8,
+                                              messages=[{"role": "user", "content": MIRA}])
+    assert "4821" in ok.choices[0].message.content

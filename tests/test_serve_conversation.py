@@ -74,3 +74,22 @@ def test_an_unknown_or_unrelated_conversation_is_refused_before_generating(tmp_p
         r = httpx.post(url, json={**body, "conversation": conv["id"]})
         assert r.status_code == 409 and r.json()["error"]["code"] == "conversation_diverged"
         assert len(served.store.path(served.store.threads(conv["id"])[0].id)) == 2  # nothing more written
+
+
+def test_two_requests_answered_at_once_on_one_branch_do_not_interleave(tmp_path):
+    from workbench.serve import record
+
+    store = Conversations(open_db(tmp_path / "w.db"))
+    conv, thread = store.create(model="x", model_name="hcw-tiny")
+    first = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "1"}]
+    for m in first:
+        store.append(thread.id, m["role"], m["content"])
+    x = first + [{"role": "user", "content": "two?"}]
+    y = first + [{"role": "user", "content": "three?"}]
+    tx, ty = record.find(store, conv.id, x), record.find(store, conv.id, y)  # both checked before either ends
+    wx = record.write(store, tx, x, "2", 1, {}, "hcw-tiny", "x", len)
+    wy = record.write(store, ty, y, "3", 1, {}, "hcw-tiny", "x", len)
+    assert wx["branch"] == "main" and wy["branch"] != "main"
+    paths = {t.name: [(m.role, m.content) for m in store.path(t.id)] for t in store.threads(conv.id)}
+    assert paths["main"] == [(m["role"], m["content"]) for m in x] + [("assistant", "2")]
+    assert paths[wy["branch"]] == [(m["role"], m["content"]) for m in y] + [("assistant", "3")]

@@ -88,3 +88,24 @@ def test_top_snapshot(snap_compare, size):
         assert "hcw-tiny at" in app.query_one(StatsBar).shown
 
     assert snap_compare(app, terminal_size=size, run_before=feed)
+
+
+def test_top_shows_a_replayed_request_once_and_a_restarted_servers_anew():
+    app = TopApp("http://127.0.0.1:8080", feed=False)
+    event = {"id": 1, "endpoint": "chat", "prompt_tokens": 80, "completion_tokens": 5, "cached_tokens": 0,
+             "outcome": "miss", "exact": True, "stop_reason": "stop", "ttft_ms": 20.0, "tokens_per_s": 300.0,
+             "plan": ["outcome: miss"], "segments": [], "at": 100.0}
+
+    async def run():
+        async with app.run_test(size=(120, 40)) as pilot:
+            app.post_message(ServerEvent("request", event))
+            app.post_message(ServerEvent("request", event))  # a reconnect sends it again
+            await pilot.pause()
+            table = app.query_one("#requests")
+            assert table.row_count == 1
+            app.post_message(ServerEvent("request", {**event, "at": 200.0, "outcome": "hit", "plan": PLAN}))
+            await pilot.pause()  # the same id from a server started again: the new one replaces it
+            assert table.row_count == 1 and app.requests[1]["at"] == 200.0
+            assert app.query_one(ValidationPanel).text.startswith("outcome: hit")
+
+    asyncio.run(run())

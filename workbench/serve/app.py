@@ -9,6 +9,7 @@ client that disconnects cancels its request, which leaves the batch at the next 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -16,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import jinja2
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -24,7 +26,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from engine.engine import Cancelled, Generation, PromptError
-from engine.scheduler import QueueFull
+from engine.scheduler import QueueFull, Unavailable
 from engine.scheduler import Request as EngineRequest
 from workbench.serve.protocol import (ApiError, ChatRequest, CompletionRequest, Sampling, created,
                                       reuse_report, usage)
@@ -34,7 +36,14 @@ from workbench.serve.stream import Delta, Done, TextStream
 
 
 def create_app(served: Served) -> FastAPI:
-    app = FastAPI(title="hcw", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # on shutdown, while the loop still runs: what is running is cancelled, its answers end
+        # and its segments are saved before the loop (which their last events go to) closes
+        await asyncio.to_thread(served.scheduler.stop)
+
+    app = FastAPI(title="hcw", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.served = served
     _errors(app)
     if served.max_body_bytes:
@@ -51,9 +60,12 @@ def create_app(served: Served) -> FastAPI:
     guarded = [Depends(authorized)]
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> JSONResponse:
         s = served.scheduler
-        return {"status": "ok", "model": served.name, "running": s.batch_size, "waiting": s.queue_depth}
+        if s.failure is not None:  # the engine's thread is gone: nothing will be answered
+            return JSONResponse({"status": "error", "error": f"{type(s.failure).__name__}: {s.failure}"}, 503)
+        return JSONResponse({"status": "ok", "model": served.name, "running": s.batch_size,
+                             "waiting": s.queue_depth})
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
@@ -73,7 +85,10 @@ def create_app(served: Served) -> FastAPI:
         params = _checked(served, body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
-        ids = served.tok.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            ids = served.tok.apply_chat_template(messages, add_generation_prompt=True)
+        except jinja2.TemplateError as e:  # a model's template refusing these messages (raise_exception)
+            raise ApiError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
         recorder = None if body.conversation is None else _recorder(served, body.conversation, messages, len(ids))
         return await _respond(served, "chat", ids, params, body, request, recorder)
 
@@ -93,12 +108,16 @@ async def _events(served: Served) -> AsyncIterator[dict]:
     q = hub.subscribe()
     try:
         yield {"event": "stats", "data": json.dumps(hub.stats_event())}
+        due = time.monotonic() + 1.0
         while True:
             try:
-                kind, data = await asyncio.wait_for(q.get(), timeout=1.0)
+                kind, data = await asyncio.wait_for(q.get(), timeout=max(0.0, due - time.monotonic()))
+                yield {"event": kind, "data": json.dumps(data)}
             except TimeoutError:
-                kind, data = "stats", hub.stats_event()
-            yield {"event": kind, "data": json.dumps(data)}
+                pass
+            if time.monotonic() >= due:  # every second, however many requests finish in between
+                yield {"event": "stats", "data": json.dumps(hub.stats_event())}
+                due = time.monotonic() + 1.0
     finally:
         hub.unsubscribe(q)
 
@@ -134,6 +153,8 @@ async def _respond(served: Served, endpoint: str, ids: list[int], params, body: 
         served.scheduler.submit(req)
     except PromptError as e:
         raise ApiError(400, str(e), param="prompt" if endpoint == "completions" else "messages") from None
+    except Unavailable as e:
+        raise ApiError(503, f"{e}", code="unavailable", kind="server_error") from None
     except QueueFull as e:
         raise ApiError(429, f"the server is busy: {e}; retry later", code="queue_full", kind="server_busy") from None
     rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -160,8 +181,11 @@ async def _respond(served: Served, endpoint: str, ids: list[int], params, body: 
         req.cancel()  # a no-op once finished; frees the slot if this handler is being cancelled
     if isinstance(done.result, BaseException):
         raise _engine_error(done.result)
+    if done.result.stop_reason == "cancelled":  # the client left (or the server is stopping): not an answer
+        served.metrics.failed(endpoint, 499)
+        return Response(status_code=499)
     served.metrics.finished(endpoint, done.result, stream.token_times, req.submitted, _queue_s(done.result, req))
-    out = _whole(served, endpoint, rid, done, req)
+    out = _whole(served, endpoint, rid, done, req, stream.kept)
     if recorder is not None:
         out["hcw"]["conversation"] = recorder(done.text, done.result)
     return out
@@ -181,11 +205,12 @@ def _queue_s(result: Generation, req: EngineRequest) -> float:
                / 1000)
 
 
-def _extras(gen: Generation, req: EngineRequest) -> dict:
-    return {"usage": usage(gen), "timings": gen.timings.as_dict(), "hcw": reuse_report(gen, 1000 * _queue_s(gen, req))}
+def _extras(gen: Generation, req: EngineRequest, kept: int | None) -> dict:
+    return {"usage": usage(gen, kept), "timings": gen.timings.as_dict(),
+            "hcw": reuse_report(gen, 1000 * _queue_s(gen, req))}
 
 
-def _whole(served: Served, endpoint: str, rid: str, done: Done, req: EngineRequest) -> dict:
+def _whole(served: Served, endpoint: str, rid: str, done: Done, req: EngineRequest, kept: int | None) -> dict:
     gen = done.result
     if endpoint == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
@@ -195,7 +220,7 @@ def _whole(served: Served, endpoint: str, rid: str, done: Done, req: EngineReque
         choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason, "logprobs": None}
         kind = "text_completion"
     return {"id": rid, "object": kind, "created": created(), "model": served.name, "choices": [choice],
-            **_extras(gen, req)}
+            **_extras(gen, req, kept)}
 
 
 async def _sse(served: Served, endpoint: str, rid: str, body: Sampling, req: EngineRequest, stream: TextStream,
@@ -223,14 +248,15 @@ async def _sse(served: Served, endpoint: str, rid: str, body: Sampling, req: Eng
                 yield chunk(event.text, None)
             else:
                 if isinstance(event.result, BaseException):
-                    yield json.dumps(_engine_error(event.result).body())
-                    served.metrics.failed(endpoint, 500)
+                    error = _engine_error(event.result)
+                    yield json.dumps(error.body())
+                    served.metrics.failed(endpoint, error.status)
                 else:
                     gen = event.result
                     served.metrics.finished(endpoint, gen, stream.token_times, req.submitted, _queue_s(gen, req))
                     last = json.loads(chunk(None, event.finish_reason))
-                    extras = _extras(gen, req)
-                    if recorder is not None:
+                    extras = _extras(gen, req, stream.kept)
+                    if recorder is not None and gen.stop_reason != "cancelled":  # the server stopping it
                         try:
                             extras["hcw"]["conversation"] = recorder(event.text, gen)
                         except ApiError as e:  # the answer was streamed: the failure to keep it is said last
@@ -270,8 +296,8 @@ def _turn_meta(gen: Generation, prompt_tokens: int) -> dict:
 def _engine_error(e: BaseException) -> ApiError:
     if isinstance(e, PromptError):
         return ApiError(400, str(e), code="context_length_exceeded" if "context limit" in str(e) else None)
-    if isinstance(e, Cancelled):
-        return ApiError(499, "the request was cancelled", code="cancelled")
+    if isinstance(e, Cancelled):  # by the client, which has left, or by the server stopping
+        return ApiError(503, f"the request was not answered: {e}", code="unavailable", kind="server_error")
     return ApiError(500, f"the engine failed on this request: {type(e).__name__}: {e}", kind="server_error")
 
 

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.engine import Generation, SamplingParams
 
 
+GREEDY_BELOW = 1e-4  # a temperature below this (0 included) is greedy decoding
+
+
 class ApiError(Exception):
     """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}`."""
 
@@ -73,10 +76,14 @@ class Sampling(BaseModel):
         temperature = 1.0 if self.temperature is None else self.temperature
         if not 0 <= temperature <= 2:
             raise ApiError(400, f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ApiError(400, f"seed must be in [0, 2**63), got {self.seed}", param="seed")
         top_p = 1.0 if self.top_p is None else self.top_p
         if not 0 < top_p <= 1:
             raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-        return SamplingParams(max_new_tokens=max_tokens, greedy=temperature == 0, temperature=temperature or 1.0,
+        # below GREEDY_BELOW the scaled logits leave float32's range: that is argmax anyway
+        greedy = temperature < GREEDY_BELOW
+        return SamplingParams(max_new_tokens=max_tokens, greedy=greedy, temperature=1.0 if greedy else temperature,
                               top_p=top_p, seed=self.seed, ignore_eos=self.ignore_eos)
 
     def stops(self) -> list[str]:
@@ -109,22 +116,24 @@ class CompletionRequest(Sampling):
     echo: bool = False
 
     def prompt_of(self) -> str | list[int]:
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
         if isinstance(self.prompt, list) and self.prompt and all(isinstance(p, str) for p in self.prompt):
             if len(self.prompt) != 1:
                 raise ApiError(400, "hcw takes one prompt per request", param="prompt")
             return self.prompt[0]
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
         if not self.prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return self.prompt
 
 
 
-def usage(gen: Generation) -> dict:
+def usage(gen: Generation, completion: int | None = None) -> dict:
+    """OpenAI's usage; `completion`: the tokens the answer kept (an answer cut at a stop string
+    drops those generated after it, before the cut was heard)."""
     t = gen.timings
-    return {"prompt_tokens": t.prompt_n, "completion_tokens": t.predicted_n,
-            "total_tokens": t.prompt_n + t.predicted_n,
+    n = t.predicted_n if completion is None else completion
+    return {"prompt_tokens": t.prompt_n, "completion_tokens": n, "total_tokens": t.prompt_n + n,
             "prompt_tokens_details": {"cached_tokens": t.cache_n}}
 
 

@@ -19,6 +19,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from store.conversations import Conversations, Thread
+from store.conversation_types import ConversationDamaged
 from workbench.serve.protocol import ApiError
 
 
@@ -30,6 +31,8 @@ class Target:
     thread: Thread | None
     kept: int
     fork_at: str | None = None  # a message of the branch to start a new branch from
+    tip: str | None = None  # the branch's tip when it was checked
+    last_kept: str | None = None  # the branch's message the request's kept messages end with
 
 
 def find(store: Conversations, conversation: str, messages: list[dict]) -> Target:
@@ -47,18 +50,23 @@ def find(store: Conversations, conversation: str, messages: list[dict]) -> Targe
     if not threads:
         raise ApiError(409, f"conversation {found.id} has no usable branch", code="conversation_damaged",
                        param="conversation")
-    path = store.path(threads[0].id)
+    try:
+        path = store.path(threads[0].id)
+    except ConversationDamaged as e:
+        raise ApiError(409, f"conversation {found.id} is damaged: {e}", code="conversation_damaged",
+                       param="conversation") from None
     common = 0
     while common < min(len(path), len(messages)) and \
             (path[common].role, path[common].content) == (messages[common]["role"], messages[common]["content"]):
         common += 1
+    last = path[common - 1].id if common else None
     if common == len(path):
-        return Target(threads[0], common)
+        return Target(threads[0], common, tip=threads[0].tip, last_kept=last)
     if common == 0:
         raise ApiError(409, f"the messages share nothing with conversation {found.id}'s branch "
                             f"{threads[0].name!r}: send its history first, or \"conversation\": \"new\"",
                        code="conversation_diverged", param="conversation")
-    return Target(threads[0], common, fork_at=path[common - 1].id)
+    return Target(threads[0], common, fork_at=last, tip=threads[0].tip, last_kept=last)
 
 
 def write(store: Conversations, target: Target, messages: list[dict], answer: str, answer_tokens: int,
@@ -72,7 +80,12 @@ def write(store: Conversations, target: Target, messages: list[dict], answer: st
             conv, thread = store.create(model=layout, system=system, model_name=model)
             rest = rest[1:] if system is not None else rest
         else:
-            thread = store.fork(target.fork_at) if target.fork_at else target.thread
+            fork_at = target.fork_at
+            if fork_at is None and store.thread(target.thread.id).tip != target.tip:
+                # the branch moved on since the check (another request on it, or hcw chat): this
+                # exchange parts from it where the request's messages end
+                fork_at = target.last_kept
+            thread = store.fork(fork_at) if fork_at else target.thread
         for m in rest:
             store.append(thread.id, m["role"], m["content"], tokens=count(m["content"]))
         message = store.append(thread.id, "assistant", answer, tokens=answer_tokens, meta=meta)

@@ -79,6 +79,7 @@ class Served:
         self.loaded_at = int(time.time())
         self._store: Conversations | None = None
         self._poster: LoopPoster | None = None
+        self._switch_interval: float | None = None  # the process's, while serving
 
     def poster(self) -> LoopPoster:
         """The one LoopPoster of the running loop (made on first use, on the loop)."""
@@ -114,6 +115,7 @@ class Served:
         # the engine's thread gives up the GIL at every torch op and waits for it back: the loop
         # (HTTP, one SSE chunk per token) may hold it up to the switch interval, 5 ms by default,
         # longer than a decode step; 0.5 ms measured +12% aggregate tokens/s at 8 streams
+        self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.scheduler.start()
         return self
@@ -121,6 +123,8 @@ class Served:
     def close(self) -> None:
         """Stop the scheduler (what runs is cancelled, its segments saved), then close the workbench file."""
         self.scheduler.stop()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
         if self._store is not None:
             self._store.db.conn.close()
         self.tier.close()

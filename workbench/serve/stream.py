@@ -50,7 +50,10 @@ class LoopPoster:
             if self.scheduled:
                 return
             self.scheduled = True
-        self.loop.call_soon_threadsafe(self._run)
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop has closed (the server stopped): nobody is listening any more
+            pass
 
     def _run(self) -> None:
         with self.lock:
@@ -68,6 +71,7 @@ class TextStream:
         self.stops, self.eos = stops, eos
         self.request: Request | None = None
         self.token_times: list[float] = []  # when each token reached the loop's queue (engine thread clock)
+        self.kept: int | None = None  # tokens up to a stop string, once one cut the answer
 
     # the engine's thread
     def on_token(self, token: int) -> None:
@@ -82,7 +86,7 @@ class TextStream:
         """Text deltas, then Done. Tokens that queued up while the loop was busy go out as one delta
         (fewer, larger chunks when many streams run: each chunk costs the loop, and so the engine's
         thread, its share of the GIL)."""
-        text, shown, cut = "", 0, False
+        text, shown, cut, taken = "", 0, False, 0
         hold = max((len(s) for s in self.stops), default=1) - 1
         while True:
             items = [await self.queue.get()]
@@ -93,13 +97,16 @@ class TextStream:
                 if not isinstance(item, int):
                     end = item  # the result: always the last thing queued
                     break
-                if cut or item in self.eos:
+                if cut:
+                    continue
+                taken += 1
+                if item in self.eos:
                     continue
                 text += self.decoder.push(item)
                 hit = self._stop_at(text, shown)
                 if hit is not None:
-                    text, cut = text[:hit], True
-                    self.request.cancel()  # the rest is not wanted: free the slot at the next step
+                    text, cut, self.kept = text[:hit], True, taken
+                    self.request.cancel("stop")  # the rest is not wanted: free the slot at the next step
             if end is None:
                 visible = len(text) if cut else len(text) - hold
                 if visible > shown:

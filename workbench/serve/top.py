@@ -155,6 +155,14 @@ class TopApp(App):
     def add_request(self, r: dict) -> None:
         table = self.query_one("#requests", DataTable)
         key = str(r["id"])
+        known = self.requests.get(r["id"])
+        if known is not None:
+            if known.get("at") == r.get("at"):
+                return  # shown already (a reconnect is sent the last requests again)
+            del self.requests[r["id"]]  # a restarted server numbers its requests from 1 again
+            table.remove_row(key)
+            if self.selected == r["id"]:
+                self.selected = None
         if "error" in r:
             cells = (key, API[r["endpoint"]], str(r["prompt_tokens"]), "-", "error", "-", "-", r["error"][:40])
         else:
