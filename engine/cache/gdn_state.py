@@ -108,6 +108,24 @@ class GDNState:
         rows[..., 1] = n.float()
         self.norm = n[:, -1]
 
+    @staticmethod
+    def record_rows(states: list[GDNState], starts: list[int], g: torch.Tensor, x: torch.Tensor) -> None:
+        """record() for one decode token of each of N sequences (g, x: [N, 1, Hv]; row i states[i]'s
+        at starts[i]): the recurrence once for all the rows that record, each row's result its own."""
+        rows = [i for i, (s, p) in enumerate(zip(states, starts)) if s.tracking and not s.static and p == s.stats_end]
+        if not rows:
+            return
+        if len(rows) < len(states):
+            pick = torch.tensor(rows, device=g.device)
+            g, x = g[pick], x[pick]
+        norms = torch.cat([states[i].norm for i in rows])  # [M, Hv] float64
+        n = (torch.exp(g[:, 0].double()) * norms + x[:, 0].double()) * (1 + 1e-6)
+        stats = torch.stack((g[:, 0], n.float()), dim=-1).unsqueeze(1).unbind(0)  # M x [1, Hv, 2]
+        for state_stats, norm, i in zip(stats, n.split(1), rows):
+            state = states[i]
+            state._stats_rows(1).copy_(state_stats.unsqueeze(0))
+            state.norm = norm
+
     def _next_norm(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """N after one token: e^g N + x, rounded up (float64, [B, Hv])."""
         return (torch.exp(g[:, 0].double()) * self.norm + x[:, 0].double()) * (1 + 1e-6)

@@ -134,10 +134,10 @@ class GatedDeltaNet(nn.Module):
             proj, [s.conv for s in states], [s.recurrent for s in states],
             self._modules["conv1d"]._parameters["weight"], self._neg_a(), params["dt_bias"],
             norm._parameters["weight"], self.n_k, L2_EPS, norm.eps, stats=any(s.tracking for s in states))
-        for i, (state, start) in enumerate(zip(states, starts)):
+        for i, state in enumerate(states):
             state.conv, state.recurrent = step.conv[i], step.recurrent[i]
-            if state.tracking:
-                state.record(start, step.g[i:i + 1], step.bv[i:i + 1])
+        if step.g is not None:
+            GDNState.record_rows(states, starts, step.g, step.bv)  # the decay statistics, once for all rows
         return step.out.view(len(states), 1, -1)
 
     def _neg_a(self) -> torch.Tensor:
