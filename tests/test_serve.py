@@ -285,3 +285,20 @@ def test_a_sampled_request_with_a_huge_seed_is_refused_and_the_server_goes_on(se
     ok = client(base).chat.completions.create(model="hcw-tiny", temperature=0, max_tokens=8,
                                               messages=[{"role": "user", "content": MIRA}])
     assert "4821" in ok.choices[0].message.content
+
+
+def test_a_requests_end_does_not_wait_for_the_disk_and_closing_does(tmp_path):
+    with serving("hcw-tiny", tmp_path / "w.db") as (served, base):
+        flushes = []
+        real = served.tier.flush
+        served.tier.flush = lambda *a, **k: (flushes.append(1), real(*a, **k))[1]
+        long = "Remember: the code for Ada is 5512, the code for Bo is 7301, the code for Cyd is 6649. " + MIRA
+        client(base).chat.completions.create(model="hcw-tiny", temperature=0, max_tokens=8,
+                                             messages=[{"role": "user", "content": long}])
+        assert flushes == []  # the batch never waited on a disk write
+        served.tier.flush = real
+        layout = bytes.fromhex(served.tier.layout)
+    from store.tier import DiskTier
+
+    saved = DiskTier(tmp_path / "w.db", layout).segments()
+    assert len(saved) >= 2  # on disk once the server closed

@@ -122,6 +122,9 @@ class PrefixCache:
         self.config = config or CacheConfig()
         self.lower = lower
         self.persisted: dict[bytes, int] = {}  # key -> record version last saved to the lower tier
+        # save() waits until the lower tier has written what it handed over (a chat's turn is on disk
+        # when it ends); a server decoding other requests meanwhile hands over and goes on
+        self.wait_for_disk = True
         self.model = model
         model.use_kv_page(self.config.block_size)  # a segment a whole block: saved and hit without a copy
         self.template = model.new_state()
@@ -259,7 +262,8 @@ class PrefixCache:
             if node is None or not rec.exact or self.persisted.get(rec.key) == rec.version:
                 continue
             n += self._save_record(rec, node)
-        self.lower.flush()  # what was answered is on disk before we return
+        if self.wait_for_disk:
+            self.lower.flush()  # what was answered is on disk before we return
         self._forget_failed_writes()
         return n
 

@@ -65,6 +65,10 @@ class Served:
         self.tier = WriteBehind(chat.db, layout_fingerprint(self.model, chat.cache))
         try:
             self.cache = PrefixCache(self.model, chat.cache, lower=self.tier) if chat.reuse != Reuse.OFF else None
+            if self.cache is not None:
+                # a request's end hands its segments to the write-behind tier and the batch goes on
+                # (waiting for the disk there stalled every other stream); close() flushes
+                self.cache.wait_for_disk = False
             self.engine = Engine(self.model, dataclasses.replace(chat.engine, dtype=self.model.dtype,
                                                                  device=str(self.model.device)), cache=self.cache)
         except BaseException:
