@@ -31,3 +31,13 @@ def _kernels_auto(monkeypatch):
     it builds) selects is undone after it."""
     monkeypatch.setattr(dispatch, "_choice", dispatch.Choice())
 
+
+
+@pytest.fixture
+def native_required(monkeypatch, tmp_path_factory):
+    """The native kernels required (a machine where one cannot be built fails the test instead of
+    testing the torch path twice), built in the session's temporary folder, launcher outputs
+    poisoned with NaN; `_kernels_auto` undoes the choice."""
+    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
+    monkeypatch.setattr(dispatch, "poison_empty", True)
+    dispatch.select("auto", native="1")

@@ -18,13 +18,7 @@ from kernels.native import paged_decode as native_paged
 from kernels.paged_attention import reference
 
 
-@pytest.fixture(autouse=True)
-def _required(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("HCW_NATIVE_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
-    monkeypatch.setattr(dispatch, "poison_empty", True)
-    dispatch.select("auto", native="1")
-    yield
-    dispatch.select("auto", native="auto")
+pytestmark = pytest.mark.usefixtures("native_required")
 
 
 def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:

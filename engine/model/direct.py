@@ -1,4 +1,5 @@
-"""Modules called as plain functions, and the one-row product split across threads.
+"""Modules called as plain functions, and the one-row product split across threads (fp32) or
+taken by the native kernel (bf16, kernels/native/gemv.c).
 
 `nn.Module.__call__` (hook dispatch, a few microseconds) is paid on every call, and a small
 model's decode step makes ~90 of them: ~5% of the step here (measured against the same model
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.native import gemv as native_gemv
 
 # Weights below this many elements (256 KB in fp32) stay in the core's cache between decode steps
 # and one thread reads them as fast as two; above it the split pays for its extra reduction.
@@ -42,6 +45,13 @@ class Linear(Direct, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == self.in_features and not torch.is_grad_enabled():
+            w = self._parameters["weight"]
+            # a bf16 weight: one C call reads it once at the memory's bandwidth over torch's
+            # threads, where F.linear reads it at about half that (benchmarks/gemv.py)
+            if w.dtype is torch.bfloat16 and x.dtype is torch.bfloat16:
+                bias = self._parameters["bias"]
+                if native_gemv.applies(x, w, bias):
+                    return native_gemv.gemv(x, w, bias)
             blocks = self._split(torch.get_num_threads())
             if blocks is not None:
                 y = torch.bmm(x.reshape(blocks.shape[0], 1, -1), blocks).sum(0)

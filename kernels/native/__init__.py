@@ -42,6 +42,9 @@ from kernels.dispatch import native_mode as mode
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
+# a kernel's flags besides FLAGS: gemv splits its rows over OpenMP threads, in the runtime torch
+# has already loaded (libgomp.so.1), so they are torch's own pool
+KERNEL_FLAGS = {"gemv": ("-fopenmp",)}
 # the argument types the launchers declare their C functions with
 P, I, F, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
@@ -141,7 +144,7 @@ def _compile(source: Path, compiler: str, target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".part")
     os.close(fd)
     try:
-        done = subprocess.run([*shlex.split(compiler), *FLAGS, str(source), "-o", partial, "-lm"],
+        done = subprocess.run([*shlex.split(compiler), *FLAGS, *KERNEL_FLAGS.get(source.stem, ()), str(source), "-o", partial, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise subprocess.SubprocessError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
@@ -155,7 +158,7 @@ def _compile(source: Path, compiler: str, target: Path) -> None:
 def _digest(source: Path, compiler: str) -> str:
     h = hashlib.sha256(source.read_bytes())
     h.update(compiler.encode())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join((*FLAGS, *KERNEL_FLAGS.get(source.stem, ()))).encode())
     h.update(_processor().encode())
     return h.hexdigest()[:16]
 
