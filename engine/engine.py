@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -126,7 +126,6 @@ class Engine:
         if len(ids) > self.context_limit:
             raise PromptError(f"the prompt has {len(ids)} tokens, past the context limit of {self.context_limit}")
 
-    @torch.inference_mode()
     def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
                 on_stop: Callable[[ModelState, int], None] | None = None,
                 stops: Callable[[int, int], list[int]] | None = None,
@@ -138,6 +137,18 @@ class Engine:
         chunks are the ones a prefill without stops runs; any other ends a chunk at each stop.
         `should_stop` is asked before every chunk after the first: True raises Cancelled (the
         state then covers the chunks run so far)."""
+        logits = None
+        for logits in self.prefill_steps(ids, state, chunk_size, on_stop, stops, should_stop):
+            pass
+        return logits
+
+    @torch.inference_mode()
+    def prefill_steps(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
+                      on_stop: Callable[[ModelState, int], None] | None = None,
+                      stops: Callable[[int, int], list[int]] | None = None,
+                      should_stop: Callable[[], bool] | None = None) -> Iterator[torch.Tensor]:
+        """`prefill` a chunk at a time: yields the logits after each chunk's last token [vocab] (the
+        last yielded: the prompt's), so that a caller can run other work between chunks."""
         if len(ids) == 0:
             raise PromptError("nothing to prefill")
         if state.seq_len + len(ids) > self.context_limit:
@@ -163,7 +174,7 @@ class Engine:
                     on_stop(state, p)
                 state.mark()  # the kept snapshots are in the cache now
             lo = hi
-        return logits[0, -1]
+            yield logits[0, -1]
 
     @torch.inference_mode()
     def replay(self, ids: Sequence[int], state: ModelState, start: int, restarts: dict[int, int] | None = None,
@@ -225,6 +236,20 @@ class Engine:
               should_stop: Callable[[], bool] | None = None) -> Started:
         """Check the prompt, reuse what the cache can prove usable, prefill the rest; Cancelled
         (from `should_stop`, asked between chunks) leaves the boundaries captured so far cached."""
+        steps = self.start_steps(prompt_ids, state, should_stop)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def start_steps(self, prompt_ids: Sequence[int], state: ModelState | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> Generator[None, None, Started]:
+        """`start` a prefill chunk at a time: a generator that yields between chunks (a server
+        decodes its running requests there) and returns the Started. The cache's lookup, its
+        validation and the state's assembly happen at the first step, all at once: what the
+        plan reuses is in the state before anything else runs. Closing it early releases what
+        it holds, as an error does."""
         self.check_prompt(prompt_ids)
         fed = list(prompt_ids)
         writer, plan = None, None
@@ -236,11 +261,12 @@ class Engine:
         state = state or self.new_state()
         started = Started(None, state, fed, writer, plan, lookup)
         if writer is None:
-            started.logits = self.prefill(fed[state.seq_len:], state, should_stop=should_stop)
+            for started.logits in self.prefill_steps(fed[state.seq_len:], state, should_stop=should_stop):
+                yield
             return started
         try:
             try:
-                self._recover_and_prefill(started, should_stop)
+                yield from self._recover_and_prefill(started, should_stop)
             except Cancelled:
                 raise Cancelled(lookup) from None  # the event travels with it
             if plan.usable_tokens and plan.exact and self.cache.should_shadow():  # approximate plans differ by design
@@ -249,12 +275,12 @@ class Engine:
                     # the hit disagreed with a cold prefill: answer from the cold state, forget the records
                     self.cache.forget(plan)
                     started.logits, started.state = cold.logits, cold.state
-        except BaseException:
+        except BaseException:  # GeneratorExit too: a caller that closes it early
             writer.finish()  # the admission ticket back; what was captured stays cached
             raise
         return started
 
-    def _recover_and_prefill(self, started: Started, should_stop: Callable[[], bool] | None) -> None:
+    def _recover_and_prefill(self, started: Started, should_stop: Callable[[], bool] | None) -> Iterator[None]:
         fed, state, writer, plan = started.fed, started.state, started.writer, started.plan
         stops = writer.stops
         if plan.replay_from is not None:
@@ -265,13 +291,22 @@ class Engine:
                 writer.capture_replayed(state)
         recover_to = plan.matched_tokens if any(o.action.value == "recover" for o in plan.objects) else 0
         if state.seq_len < recover_to:
-            # the recovery work, timed on its own: recompute what a missing state kind cost us
-            t0 = time.perf_counter()
-            self.prefill(fed[state.seq_len:recover_to], state, on_stop=started.capture, stops=stops,
-                         should_stop=should_stop)
-            self.cache.metrics.record_recovery(plan, 1000 * (time.perf_counter() - t0))
-        started.logits = self.prefill(fed[state.seq_len:], state, on_stop=started.capture, stops=stops,
-                                      should_stop=should_stop)
+            # the recovery work, timed on its own (its chunks only, not what runs between them)
+            spent = 0.0
+            chunks = self.prefill_steps(fed[state.seq_len:recover_to], state, on_stop=started.capture, stops=stops,
+                                        should_stop=should_stop)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    next(chunks)
+                except StopIteration:
+                    break
+                spent += time.perf_counter() - t0
+                yield
+            self.cache.metrics.record_recovery(plan, 1000 * spent)
+        for started.logits in self.prefill_steps(fed[state.seq_len:], state, on_stop=started.capture, stops=stops,
+                                                 should_stop=should_stop):
+            yield
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, state: ModelState | None = None,

@@ -1,22 +1,24 @@
 """Continuous batching: requests join and leave a running batch at step boundaries.
 
 One thread owns the engine (its model, its cache and every request's state). Each turn of its
-loop it admits waiting requests while the batch has room — the cache's lookup, validation,
-recovery and the prefill of what is left (`Engine.start`), then the first sampled token — and
-then advances every running request by one token in one decode step (`Engine.decode_batch`:
+loop it gives waiting requests the batch's free slots, runs one prefill chunk of the first request
+still being admitted — the cache's lookup, validation and assembly at its first chunk, then
+recovery and the prefill of what is left (`Engine.start_steps`), then the first sampled token —
+and then advances every running request by one token in one decode step (`Engine.decode_batch`:
 the weights are read once for the whole batch). A request leaves the batch
 when it stops (an end token, its length, the context limit) or is cancelled (`Request.cancel`,
 heard between prefill chunks and at every step); leaving releases its cache admission ticket and
 its state. Nothing else touches the engine, so a lookup's plan is used by the same thread before
 any other request can evict or write: rule 3 (pinned from check to use) holds by construction,
 and rule 1 (the admission cap) counts the reuses of every request in the batch, since each holds
-its ticket until it leaves.
+its ticket until it leaves. A long prompt does not stop the batch: its chunks alternate with the
+running requests' steps (chunked prefill).
 
 Knows token ids only, as the engine does; text, HTTP and metrics are the caller's
 (workbench/serve). Per request it calls `on_token(id)` for each sampled token and `on_done(result)`
-once, both on the engine's thread: they must be quick and must not raise.
+once, both on the engine's thread: they must be quick (one that raises is said on stderr).
 
-    submit ─► waiting (bounded) ─► admit: Engine.start + first token ─► running ─► step ─► done
+    submit ─► waiting (bounded) ─► admitting: a prefill chunk per turn ─► running ─► step ─► done
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +65,15 @@ class Request:
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+
+@dataclass
+class Admitting:
+    """A request whose prompt is being prefilled, a chunk per turn of the scheduler's loop."""
+
+    request: Request
+    steps: Generator[None, None, Started]  # Engine.start_steps
+    t0: float
 
 
 class Running:
@@ -116,6 +127,7 @@ class Scheduler:
         self.eos = tuple(engine.model.config.eos_token_ids)
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.running: list[Running] = []
+        self.admitting: list[Admitting] = []  # taking a slot: prefilling, a chunk between two steps
         self.steps = 0  # decode steps run (each advances every running request by one token)
         self.on_step: Callable[[Scheduler], None] | None = None  # after every decode step (metrics)
         self.failure: BaseException | None = None  # what ended the engine's thread, if anything did
@@ -159,17 +171,19 @@ class Scheduler:
         try:
             while not self._stop.is_set():
                 self._drop_cancelled()
-                if not self.running:
+                if not self.running and not self.admitting:
                     try:
                         first = self.waiting.get(timeout=0.05)
                     except queue.Empty:
                         continue
-                    self._admit(first)
-                while len(self.running) < self.max_batch:
+                    self._begin(first)
+                while len(self.running) + len(self.admitting) < self.max_batch:
                     try:
-                        self._admit(self.waiting.get_nowait())
+                        self._begin(self.waiting.get_nowait())
                     except queue.Empty:
                         break
+                if self.admitting:
+                    self._advance(self.admitting[0])  # one prefill chunk, then the running requests' step
                 if self.running:
                     self._step()
             ended: BaseException = Cancelled("the server is stopping")
@@ -177,6 +191,10 @@ class Scheduler:
             self.failure = e
             ended = e
             print(f"error: the engine's thread failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        for a in self.admitting:
+            a.steps.close()  # its admission ticket back, what it captured kept
+            self._fail(a.request, ended)
+        self.admitting = []
         for r in self.running:
             r.request.cancel()
             r.reason = "cancelled"
@@ -194,20 +212,34 @@ class Scheduler:
         for r in gone:
             self._fail(r, Cancelled("cancelled while waiting"))
 
-    def _admit(self, request: Request) -> None:
+    def _begin(self, request: Request) -> None:
+        """A request takes a slot: its prefill runs a chunk per turn of the loop from now on."""
         if request.cancelled:  # gone before its turn (a client that disconnected while queued)
             self._fail(request, Cancelled("cancelled while waiting"))
             return
-        t0 = time.perf_counter()
-        run = None
+        steps = self.engine.start_steps(request.prompt_ids,
+                                        should_stop=lambda: request.cancelled or self._stop.is_set())
+        self.admitting.append(Admitting(request, steps, time.perf_counter()))
+
+    def _advance(self, a: Admitting) -> None:
+        """One chunk of a's prefill (the cache's lookup at the first); at its end a joins the batch
+        with its first token."""
         try:
-            run = self.engine.start(request.prompt_ids,
-                                    should_stop=lambda: request.cancelled or self._stop.is_set())
-            r = Running(request, run, self.eos, self.engine.context_limit, 1000 * (time.perf_counter() - t0),
-                        self.engine.model.device)
+            next(a.steps)
+            return
+        except StopIteration as done:
+            run = done.value
         except Exception as e:  # noqa: BLE001 - one request's failure (Cancelled too) is its own; the batch runs on
-            if run is not None:
-                run.finish()
+            self.admitting.remove(a)
+            self._fail(a.request, e)
+            return
+        self.admitting.remove(a)
+        request = a.request
+        try:
+            r = Running(request, run, self.eos, self.engine.context_limit, 1000 * (time.perf_counter() - a.t0),
+                        self.engine.model.device)
+        except Exception as e:  # noqa: BLE001 - as above
+            run.finish()
             self._fail(request, e)
             return
         if request.params.max_new_tokens == 0:
