@@ -35,13 +35,13 @@ def test_generate_caps_threads_for_the_decode_steps_only(tmp_path, monkeypatch):
     torch.set_num_threads(2)
     try:
         seen = {"prefill": [], "decode": []}
-        prefill = engine.prefill
+        prefill_steps = engine.prefill_steps  # (what prefill and start run, a chunk at a time)
 
         def watched(*args, **kw):
             seen["prefill"].append(torch.get_num_threads())
-            return prefill(*args, **kw)
+            return prefill_steps(*args, **kw)
 
-        monkeypatch.setattr(engine, "prefill", watched)
+        monkeypatch.setattr(engine, "prefill_steps", watched)
         capped = engine.generate(list(range(40)), params, on_token=lambda t: seen["decode"].append(torch.get_num_threads()),
                                  decode_threads=1)
         assert seen["prefill"] and set(seen["prefill"]) == {2} and set(seen["decode"]) == {1}

@@ -529,8 +529,14 @@ def test_the_workbench_after_turns_snapshot(model_dir, tmp_path, monkeypatch, sn
             if tree.tip is not None and tree.cursor_node is tree.tip:
                 break
         assert tree.cursor_node is tree.tip
-        await pilot.wait_for_scheduled_animations()  # and its scroll to it: settled before the picture
-        await pilot.pause()
+        settled, last = 0, None
+        for _ in range(400):  # and its scroll to it: the same offset over several refreshes
+            await pilot.wait_for_scheduled_animations()
+            await pilot.pause(0.01)
+            settled = settled + 1 if tree.scroll_offset == last else 0
+            last = tree.scroll_offset
+            if settled >= 5:
+                break
     assert snap_compare(app, terminal_size=size, run_before=turns)
     assert checked
 

@@ -57,8 +57,13 @@ class BranchTree(SteadyScrollbars, Tree):
             self.call_after_refresh(self._follow)
 
     def _follow(self) -> None:
+        """The cursor to the tip, and the tip on the pane's last line (or the tree from its top when
+        it fits): the same view whatever was scrolled before, not just enough to show the tip."""
         if self.tip is not None and self.tip.tree is self:
-            self.move_cursor(self.tip)
+            self.move_cursor(self.tip, animate=False)
+            line = self.tip.line
+            if line >= 0:
+                self.scroll_to(y=max(0, line - self.scrollable_content_region.height + 1), animate=False)
 
     @on(Tree.NodeSelected)
     def _chosen(self, event: Tree.NodeSelected) -> None:
