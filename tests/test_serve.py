@@ -302,3 +302,19 @@ def test_a_requests_end_does_not_wait_for_the_disk_and_closing_does(tmp_path):
 
     saved = DiskTier(tmp_path / "w.db", layout).segments()
     assert len(saved) >= 2  # on disk once the server closed
+
+
+def test_a_server_without_a_cache_answers_and_says_so(tmp_path):
+    with serving("hcw-tiny", tmp_path / "w.db", chat={"reuse": "off"}) as (served, base):
+        assert served.cache is None
+        for _ in range(2):
+            r = client(base).chat.completions.create(model="hcw-tiny", temperature=0, max_tokens=8,
+                                                     messages=[{"role": "user", "content": MIRA}])
+            assert "4821" in r.choices[0].message.content
+            assert r.model_extra["hcw"]["outcome"] == "off" and r.usage.prompt_tokens_details.cached_tokens == 0
+        text = httpx.get(f"{base}/metrics").text
+        assert 'hcw_cache_lookups_total{outcome="off"} 2.0' in text
+        with httpx.stream("GET", f"{base}/hcw/events", timeout=30) as events:
+            lines = [line for _, line in zip(range(6), events.iter_lines()) if line.startswith("data: ")]
+        requests = [json.loads(line[6:]) for line in lines if '"endpoint"' in line]
+        assert requests and requests[-1]["outcome"] == "off" and requests[-1]["segments"] == []
