@@ -197,6 +197,12 @@ class Conversations:
         return [Thread(**r) for r in self.db.query("SELECT * FROM threads WHERE conversation = ? ORDER BY rowid",
                                                    [conversation_id])]
 
+    def latest_threads(self, conversation_id: str) -> list[Thread]:
+        """The threads that can be continued, most recently updated first (a thread row without an
+        id cannot be named or continued; `hcw inspect --verify` lists it)."""
+        return sorted((t for t in self.threads(conversation_id) if isinstance(t.id, str)),
+                      key=lambda t: t.updated if isinstance(t.updated, str) else "", reverse=True)
+
     def counts(self, conversation_id: str) -> tuple[int, int]:
         """(messages, threads) of the conversation."""
         self.conversation(conversation_id)

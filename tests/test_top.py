@@ -57,6 +57,9 @@ def test_top_says_when_the_server_is_gone():
     async def run():
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.query_one(StatsBar).shown.startswith("disconnected from"))
+            line = app.query_one(StatsBar).shown
+            assert line.startswith("disconnected from http://127.0.0.1:9: ") and line.endswith("retrying every 2 s")
+            assert app.is_running  # a lost server is said, not a crash
 
     asyncio.run(run())
 

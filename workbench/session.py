@@ -15,6 +15,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 from pathlib import Path
 
 from engine import load_model
@@ -24,7 +25,8 @@ from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
 from engine.cache.states import Kind
 from engine.engine import Engine, Generation, SamplingParams, Timings
 from engine.events import CacheLookup
-from engine.tokenizer import StreamDecoder, load_tokenizer
+from engine.model.hybrid import HybridModel
+from engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from store.conversations import Conversations, Message, Thread
 from store.write_behind import WriteBehind
 from workbench.faults import FAULTS, fault_names
@@ -81,23 +83,44 @@ class _Draft:
             self.id = None
 
 
+class Opened(NamedTuple):
+    model: HybridModel
+    tok: Tokenizer
+    tier: WriteBehind
+    cache: PrefixCache | None  # None with --reuse off
+    engine: Engine
+
+
+def open_engine(opts: ChatOptions, who: str, model: HybridModel | None = None) -> Opened:
+    """What a chat and a server run on: the model (loaded unless given), its tokenizer, the
+    workbench file's write-behind tier, the prefix cache over it and the engine. `who` names the
+    command in the error when the model has no tokenizer. If the cache or the engine cannot be
+    made, the tier is closed again before the error goes on."""
+    model = model if model is not None else load_model(opts.model)
+    tok = load_tokenizer(resolve_model(opts.model), model.config.extra)
+    if tok is None:
+        raise ValueError(f"{opts.model} has no tokenizer; {who} needs one")
+    if opts.engine.kv_layout is not None:  # before the cache is made: it assembles states of this layout
+        model.use_kv_layout(opts.engine.kv_layout)
+    tier = WriteBehind(opts.db, layout_fingerprint(model, opts.cache))  # spills never block decoding
+    try:
+        cache = PrefixCache(model, opts.cache, lower=tier) if opts.reuse != Reuse.OFF else None
+        engine = Engine(model, dataclasses.replace(opts.engine, dtype=model.dtype, device=str(model.device)),
+                        cache=cache)
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error, OSError):  # the error being raised is the one to see
+            tier.close()
+        raise
+    return Opened(model, tok, tier, cache, engine)
+
+
 class ChatSession:
     def __init__(self, opts: ChatOptions, model=None):
         self.opts = opts
-        self.model = model if model is not None else load_model(opts.model)
-        self.tok = load_tokenizer(resolve_model(opts.model), self.model.config.extra)
-        if self.tok is None:
-            raise ValueError(f"{opts.model} has no tokenizer; hcw chat needs one")
-        if opts.engine.kv_layout is not None:  # before the cache is made: it assembles states of this layout
-            self.model.use_kv_layout(opts.engine.kv_layout)
-        cfg = opts.cache
-        self.tier = WriteBehind(opts.db, layout_fingerprint(self.model, cfg))  # spills never block decoding
+        self.model, self.tok, self.tier, self.cache, self.engine = open_engine(opts, "hcw chat", model)
         self.conversation = None
         self._created: str | None = None  # the conversation this session began (forgotten at close if empty)
         try:
-            self.cache = PrefixCache(self.model, cfg, lower=self.tier) if opts.reuse != Reuse.OFF else None
-            self.engine = Engine(self.model, dataclasses.replace(opts.engine, dtype=self.model.dtype,
-                                                                 device=str(self.model.device)), cache=self.cache)
             self.store = Conversations(self.tier.db)
             self.stats = SessionStats()
             if opts.session:
@@ -318,9 +341,7 @@ class ChatSession:
         branch. Its history is read now: a damaged one is refused here (ConversationDamaged names
         the damage and what is intact), never answered from a shortened context later."""
         found = self.store.conversation(self.store.resolve("conversation", conversation))
-        # a thread row without an id cannot be named or continued (`hcw inspect --verify` lists it)
-        threads = sorted((t for t in self.store.threads(found.id) if isinstance(t.id, str)),
-                         key=lambda t: t.updated if isinstance(t.updated, str) else "", reverse=True)
+        threads = self.store.latest_threads(found.id)
         if not threads:
             raise ValueError(f"conversation {found.id} has no usable branch; `hcw inspect --verify` names the damage")
         self.store.path(threads[0].id)

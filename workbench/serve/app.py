@@ -229,7 +229,7 @@ async def _sse(served: Served, endpoint: str, rid: str, body: Sampling, req: Eng
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created(),
             "model": served.name}
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
         if chat:
             delta = {} if text is None else {"content": text}
             if role:
@@ -237,15 +237,15 @@ async def _sse(served: Served, endpoint: str, rid: str, body: Sampling, req: Eng
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return json.dumps({**base, "choices": [choice]})
+        return {**base, "choices": [choice]}
 
     try:
         if chat:
-            yield chunk("", None, role=True)
+            yield json.dumps(chunk("", None, role=True))
         event = first
         while True:
             if isinstance(event, Delta):
-                yield chunk(event.text, None)
+                yield json.dumps(chunk(event.text, None))
             else:
                 if isinstance(event.result, BaseException):
                     error = _engine_error(event.result)
@@ -254,7 +254,7 @@ async def _sse(served: Served, endpoint: str, rid: str, body: Sampling, req: Eng
                 else:
                     gen = event.result
                     served.metrics.finished(endpoint, gen, stream.token_times, req.submitted, _queue_s(gen, req))
-                    last = json.loads(chunk(None, event.finish_reason))
+                    last = chunk(None, event.finish_reason)
                     extras = _extras(gen, req, stream.kept)
                     if recorder is not None and gen.stop_reason != "cancelled":  # the server stopping it
                         try:

@@ -45,8 +45,7 @@ def find(store: Conversations, conversation: str, messages: list[dict]) -> Targe
                        param="conversation") from None
     except ValueError as e:
         raise ApiError(400, str(e), param="conversation") from None
-    threads = sorted((t for t in store.threads(found.id) if isinstance(t.id, str)),
-                     key=lambda t: t.updated if isinstance(t.updated, str) else "", reverse=True)
+    threads = store.latest_threads(found.id)
     if not threads:
         raise ApiError(409, f"conversation {found.id} has no usable branch", code="conversation_damaged",
                        param="conversation")

@@ -4,29 +4,20 @@ tier, one engine and the scheduler that batches every request onto it, and the s
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
-import sqlite3
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import load_model
-from engine.cache.config import Reuse
-from engine.cache.prefix_cache import PrefixCache, layout_fingerprint
-from engine.engine import Engine
-from engine.model.loader import resolve_model
 from engine.scheduler import Scheduler
 from engine.threads import release_idle_team
-from engine.tokenizer import load_tokenizer
 from store.conversations import Conversations
 from store.db import open_db
-from store.write_behind import WriteBehind
 from workbench.options import ChatOptions
 from workbench.serve.events import EventHub
 from workbench.serve.metrics import ServerMetrics
 from workbench.serve.stream import LoopPoster
+from workbench.session import open_engine
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -56,25 +47,11 @@ class Served:
         chat = opts.chat
         self.opts = opts
         self.name = Path(str(chat.model)).name
-        self.model = load_model(chat.model)
-        self.tok = load_tokenizer(resolve_model(chat.model), self.model.config.extra)
-        if self.tok is None:
-            raise ValueError(f"{chat.model} has no tokenizer; hcw serve needs one")
-        if chat.engine.kv_layout is not None:  # before the cache is made: it assembles states of this layout
-            self.model.use_kv_layout(chat.engine.kv_layout)
-        self.tier = WriteBehind(chat.db, layout_fingerprint(self.model, chat.cache))
-        try:
-            self.cache = PrefixCache(self.model, chat.cache, lower=self.tier) if chat.reuse != Reuse.OFF else None
-            if self.cache is not None:
-                # a request's end hands its segments to the write-behind tier and the batch goes on
-                # (waiting for the disk there stalled every other stream); close() flushes
-                self.cache.wait_for_disk = False
-            self.engine = Engine(self.model, dataclasses.replace(chat.engine, dtype=self.model.dtype,
-                                                                 device=str(self.model.device)), cache=self.cache)
-        except BaseException:
-            with contextlib.suppress(sqlite3.Error, OSError):  # the error being raised is the one to see
-                self.tier.close()
-            raise
+        self.model, self.tok, self.tier, self.cache, self.engine = open_engine(chat, "hcw serve")
+        if self.cache is not None:
+            # a request's end hands its segments to the write-behind tier and the batch goes on
+            # (waiting for the disk there stalled every other stream); close() flushes
+            self.cache.wait_for_disk = False
         self.eos = tuple(self.tok.eos_ids)
         self.scheduler = Scheduler(self.engine, opts.max_batch, opts.max_queue)
         self.metrics = ServerMetrics(self.scheduler)
