@@ -13,6 +13,7 @@ from engine.cache.kv import PagedKVState
 from engine.config import ModelConfig
 from engine.model.hybrid import HybridModel
 from engine.model.random_init import hcw_hybrid_dict, init_random, qwen3_5_text_dict
+from engine.threads import intra_op_threads
 from kernels import dispatch
 from kernels.native import paged_decode as native_paged
 from kernels.paged_attention import reference
@@ -64,6 +65,38 @@ def test_a_sliding_window_attends_to_its_last_positions_only(window, page):
         got = native_paged.paged_decode(*args, window=window)
         expected = reference.paged_decode(*args, window=window)
     assert _rel(got, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2), (6, 3)], ids=["gqa2", "gqa4", "gqa2-kv3"])
+@pytest.mark.parametrize("window", [None, 101], ids=["full", "w101"])
+def test_the_thread_count_does_not_change_the_result(dtype, tol, heads, kv_heads, window):
+    """Three sequences of odd lengths (ending mid-block, sharing blocks) over GQA groups: each
+    (sequence, key-value head) pair is computed whole by one thread, so any split of the pairs gives
+    the one-thread result to the bit (an output a thread skipped stays NaN)."""
+    args = _inputs(3, heads, kv_heads, 32, 16, [501, 63, 130], dtype, seed=5)
+    q, k_pool, _, _, lengths = args
+    pairs = 3 * kv_heads
+    with torch.no_grad():
+        one = native_paged.paged_decode(*args, window=window, threads=1)
+        assert not one.isnan().any()
+        assert _rel(one, reference.paged_decode(*args, window=window)) <= tol
+        for threads in (2, 3, pairs + 1):
+            assert native_paged.team(q, k_pool, lengths, window, threads) == min(threads, pairs)
+            assert torch.equal(native_paged.paged_decode(*args, window=window, threads=threads), one)
+
+
+def test_the_threads_are_torchs_count_and_a_small_call_keeps_one():
+    q, k_pool, _, _, lengths = args = _inputs(2, 4, 2, 32, 16, [300, 211], torch.float32)
+    assert native_paged.team(q, k_pool, lengths) == min(torch.get_num_threads(), 4)
+    with intra_op_threads(1):
+        assert native_paged.team(q, k_pool, lengths) == 1
+    short = torch.tensor([1, 2], dtype=torch.int32)
+    assert native_paged.team(q, k_pool, short, threads=4) == 1  # microseconds of work: not shared
+    assert native_paged.team(q, k_pool, lengths, window=1, threads=4) == 1
+    with torch.no_grad():
+        assert torch.equal(native_paged.paged_decode(*args[:4], short, threads=4),
+                           native_paged.paged_decode(*args[:4], short, threads=1))
 
 
 def test_a_given_scale_and_peaked_scores():

@@ -8,7 +8,9 @@
  *   lengths [B] int32           positions held; window > 0: only the last `window` of them
  *   out    [B, H, D]            softmax(q.k * scale) v, in q's dtype
  *
- * One pass per (sequence, key-value head) serves the group of H / HKV query heads that share it.
+ * One pass per (sequence, key-value head) serves the group of H / HKV query heads that share it;
+ * the pairs are split over `threads` OpenMP threads (torch's own pool, as gemv.c's), each pair
+ * computed whole by one thread in one order, so the result does not depend on the thread count.
  * Positions are taken in tiles of at most TILE rows of one block: the tile's scores, then the
  * running (max, sum, weighted values) of kernels/online_softmax.py folded in float32, so no row
  * of scores is ever stored. Where D is a multiple of 8 the products run on 8-float vectors (the
@@ -29,6 +31,9 @@
 #define TILE 64
 #define MAX_D 512
 #define MAX_GROUP_D 16384  /* G * D: the group's queries and accumulators live on the stack */
+/* below this many products of a query with a key (positions x query heads x D, over the batch) a
+ * call takes microseconds, about what waking a second thread costs: it runs on one */
+#define MIN_THREADED (1L << 14)
 
 static inline float bf16_float(uint16_t x) {
     union { uint32_t u; float f; } c = { .u = (uint32_t)x << 16 };
@@ -198,12 +203,64 @@ static void widen(const uint16_t *restrict x, float *restrict out, long n) {
     for (long i = 0; i < n; i++) out[i] = bf16_float(x[i]);
 }
 
-/* bf16: nonzero when q, the pools and out are bf16 (else float32) */
+/* the output of key-value head h of sequence b: one pass over its positions for the group of G
+ * query heads that share it, reading and writing nothing another pair writes */
+static void attend(const void *p_q, const void *p_k, const void *p_v, const int32_t *p_table, void *p_out,
+                   int bf16, long n, long M, int b, int h, int H, int HKV, int BS, int D, int window, float scale) {
+    const int G = H / HKV;
+    const long row = (long)BS * D, block = (long)HKV * row;
+    const long lo = window > 0 && n > window ? n - window : 0;
+    float qs[G * D], acc[G * D], m[G], l[G];
+    float kt[bf16 ? TILE * D : 1], vt[bf16 ? TILE * D : 1];
+    const long at = ((long)b * H + (long)h * G) * D;  /* the group's first query head */
+    if (bf16) widen((const uint16_t *)p_q + at, qs, (long)G * D);
+    else memcpy(qs, (const float *)p_q + at, sizeof(float) * G * D);
+    for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
+    memset(acc, 0, sizeof(float) * G * D);
+    for (long j = lo / BS; j < (n + BS - 1) / BS; j++) {
+        const long off = (long)p_table[b * M + j] * block + (long)h * row;
+        const long first = j * BS, start = lo > first ? lo - first : 0;
+        const long end = n < first + BS ? n - first : BS;
+        for (long t = start; t < end; t += TILE) {
+            const int cnt = (int)(end - t < TILE ? end - t : TILE);
+            const float *k, *v;
+            if (bf16) {
+                widen((const uint16_t *)p_k + off + t * D, kt, (long)cnt * D);
+                widen((const uint16_t *)p_v + off + t * D, vt, (long)cnt * D);
+                k = kt, v = vt;
+            } else {
+                k = (const float *)p_k + off + t * D;
+                v = (const float *)p_v + off + t * D;
+            }
+            fold(qs, k, v, cnt, G, D, scale, m, l, acc);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.0f / l[g];  /* no position attended: 0 / 0, NaN as the reference */
+        for (int d = 0; d < D; d++) {
+            const float o = acc[(long)g * D + d] * inv;
+            if (bf16) ((uint16_t *)p_out)[at + (long)g * D + d] = float_bf16(o);
+            else ((float *)p_out)[at + (long)g * D + d] = o;
+        }
+    }
+}
+
+/* the threads a call takes: at most `threads`, no more than there are pairs, one below
+ * MIN_THREADED (lengths already checked) */
+int hcw_paged_decode_team(const int32_t *p_lengths, int B, int H, int HKV, int D, int window, int threads) {
+    long work = 0;  /* positions attended over the batch */
+    for (int b = 0; b < B; b++) work += window > 0 && p_lengths[b] > window ? window : p_lengths[b];
+    const long pairs = (long)B * HKV;
+    if (work * H * D < MIN_THREADED || threads < 1) return 1;
+    return threads < pairs ? threads : (int)pairs;
+}
+
+/* bf16: nonzero when q, the pools and out are bf16 (else float32); threads: at most this many
+ * OpenMP threads */
 int hcw_paged_decode(const void *p_q, const void *p_k, const void *p_v, const int32_t *p_table,
                      const int32_t *p_lengths, void *p_out, int bf16, long N, long M, int B, int H, int HKV,
-                     int BS, int D, int window, float scale) {
+                     int BS, int D, int window, float scale, int threads) {
     if (HKV < 1 || H % HKV || D < 1 || D > MAX_D || (long)(H / HKV) * D > MAX_GROUP_D || BS < 1) return -3;
-    const int G = H / HKV;
     for (int b = 0; b < B; b++) {
         const long n = p_lengths[b];
         if (n < 0 || n > M * BS) return -1;
@@ -212,45 +269,12 @@ int hcw_paged_decode(const void *p_q, const void *p_k, const void *p_v, const in
             if (blk < 0 || blk >= N) return -2;
         }
     }
-    const long row = (long)BS * D, block = (long)HKV * row;
-    for (int b = 0; b < B; b++) {
-        const long n = p_lengths[b];
-        const long lo = window > 0 && n > window ? n - window : 0;
-        for (int h = 0; h < HKV; h++) {
-            float qs[G * D], acc[G * D], m[G], l[G];
-            float kt[bf16 ? TILE * D : 1], vt[bf16 ? TILE * D : 1];
-            const long at = ((long)b * H + (long)h * G) * D;  /* the group's first query head */
-            if (bf16) widen((const uint16_t *)p_q + at, qs, (long)G * D);
-            else memcpy(qs, (const float *)p_q + at, sizeof(float) * G * D);
-            for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
-            memset(acc, 0, sizeof(float) * G * D);
-            for (long j = lo / BS; j < (n + BS - 1) / BS; j++) {
-                const long off = (long)p_table[b * M + j] * block + (long)h * row;
-                const long first = j * BS, start = lo > first ? lo - first : 0;
-                const long end = n < first + BS ? n - first : BS;
-                for (long t = start; t < end; t += TILE) {
-                    const int cnt = (int)(end - t < TILE ? end - t : TILE);
-                    const float *k, *v;
-                    if (bf16) {
-                        widen((const uint16_t *)p_k + off + t * D, kt, (long)cnt * D);
-                        widen((const uint16_t *)p_v + off + t * D, vt, (long)cnt * D);
-                        k = kt, v = vt;
-                    } else {
-                        k = (const float *)p_k + off + t * D;
-                        v = (const float *)p_v + off + t * D;
-                    }
-                    fold(qs, k, v, cnt, G, D, scale, m, l, acc);
-                }
-            }
-            for (int g = 0; g < G; g++) {
-                const float inv = 1.0f / l[g];  /* no position attended: 0 / 0, NaN as the reference */
-                for (int d = 0; d < D; d++) {
-                    const float o = acc[(long)g * D + d] * inv;
-                    if (bf16) ((uint16_t *)p_out)[at + (long)g * D + d] = float_bf16(o);
-                    else ((float *)p_out)[at + (long)g * D + d] = o;
-                }
-            }
-        }
-    }
+    const long pairs = (long)B * HKV;
+    threads = hcw_paged_decode_team(p_lengths, B, H, HKV, D, window, threads);
+    /* each pair is one thread's, in one order: the result does not depend on the thread count */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (long i = 0; i < pairs; i++)
+        attend(p_q, p_k, p_v, p_table, p_out, bf16, p_lengths[i / HKV], M, (int)(i / HKV), (int)(i % HKV), H, HKV,
+               BS, D, window, scale);
     return 0;
 }

@@ -2,7 +2,9 @@
 sequence's keys and values in place through its block table, where the torch path gathers them
 into a dense copy first. Its reference is kernels/paged_attention/reference.py's `paged_decode`
 (same arguments, same result up to float32 summation order; tests/test_native_paged.py compares
-them), which every input the kernel does not take stays on.
+them), which every input the kernel does not take stays on. The (sequence, key-value head) pairs are split
+over torch's intra-op threads (its own OpenMP pool, as gemv's rows), each pair whole on one thread,
+so the result is the same on any number of threads.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from kernels import native
 from kernels.dispatch import empty
 from kernels.native import F, I, L, P
 
-_ARGS = [P, P, P, P, P, P, I, L, L, I, I, I, I, I, I, F]
+_ARGS = [P, P, P, P, P, P, I, L, L, I, I, I, I, I, I, F, I]
+_TEAM_ARGS = [P, I, I, I, I, I, I]
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_D = 512  # paged_decode.c's limits: D, and a key-value head's group of queries times D
 MAX_GROUP_D = 16384
@@ -27,6 +30,15 @@ _ERRORS = {-1: "a length is negative or needs more blocks than the table has",
 def kernel():
     """The C function, or None where the native kernels are off or could not be built."""
     return native.function("paged_decode", "hcw_paged_decode", _ARGS, ctypes.c_int)
+
+
+def team(q: torch.Tensor, k_pool: torch.Tensor, lengths: torch.Tensor, window: int | None = None,
+         threads: int | None = None) -> int:
+    """The threads `paged_decode` takes for these inputs: at most `threads` (torch's intra-op count
+    by default) and the number of (sequence, key-value head) pairs, one for a call too small to share."""
+    b, h, d = q.shape
+    fn = native.function("paged_decode", "hcw_paged_decode_team", _TEAM_ARGS, ctypes.c_int)
+    return fn(lengths.data_ptr(), b, h, k_pool.shape[1], d, window or 0, threads or torch.get_num_threads())
 
 
 def applies(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -50,11 +62,12 @@ def _fits(q_shape: torch.Size, kv_heads: int) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                 lengths: torch.Tensor, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                 lengths: torch.Tensor, window: int | None = None, scale: float | None = None,
+                 threads: int | None = None) -> torch.Tensor:
     """q [B, H, D]; k_pool, v_pool [N, Hkv, BS, D]; table [B, M] int32; lengths [B] int32 ->
-    [B, H, D] in q's dtype (the reference's contract). Check `applies` first. The kernel checks the
-    table's and lengths' values itself (reading them costs nothing on the CPU): a bad one raises
-    ValueError before anything is read."""
+    [B, H, D] in q's dtype (the reference's contract), on `team`'s threads. Check `applies` first.
+    The kernel checks the table's and lengths' values itself (reading them costs nothing on the
+    CPU): a bad one raises ValueError before anything is read."""
     b, h, d = q.shape
     n_blocks, hkv, bs, pool_d = pool = k_pool.shape
     if v_pool.shape != pool or pool_d != d or table.dim() != 2 or table.shape[0] != b or lengths.shape != (b,):
@@ -65,7 +78,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     out = empty(b, h, d, dtype=q.dtype, device=q.device)
     err = kernel()(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), lengths.data_ptr(),
                    out.data_ptr(), q.dtype is torch.bfloat16, n_blocks, table.shape[1], b, h, hkv, bs, d,
-                   window or 0, d ** -0.5 if scale is None else scale)
+                   window or 0, d ** -0.5 if scale is None else scale, threads or torch.get_num_threads())
     if err:
         raise ValueError(f"paged decode: {_ERRORS.get(err, f'error {err}')}")
     return out
