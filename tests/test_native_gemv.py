@@ -14,6 +14,8 @@ import torch
 from engine.model.direct import Linear
 from kernels import dispatch
 from kernels.native import gemv as native_gemv
+from kernels.native import gemv_q8 as native_gemv_q8
+from kernels.q8 import quantise
 
 
 pytestmark = pytest.mark.usefixtures("native_required")
@@ -113,11 +115,15 @@ def test_applies_only_where_the_kernel_is_the_right_path():
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mapped libraries")
-def test_the_threads_are_torchs_openmp_pool():
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_the_threads_are_torchs_openmp_pool(weights):
     """One OpenMP runtime in the process: a second would keep a pool of its own spinning beside
-    torch's on the same cores."""
+    torch's on the same cores (both GEMVs, bf16 and int8 weights, split their rows over it)."""
     x, w, _ = _operands(1023, 1027, torch.float32, None)
-    native_gemv.gemv(x, w, threads=2)
+    if weights == "bf16":
+        native_gemv.gemv(x, w, threads=2)
+    else:
+        native_gemv_q8.gemv_q8(x, *quantise(w), threads=2)
     torch.ones(1 << 16).sum()  # torch's pool started too
     runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
                 if "libgomp" in line or "libiomp" in line}

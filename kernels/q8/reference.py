@@ -1,0 +1,74 @@
+"""int8 weights with a scale per group of 32 columns (llama.cpp's q8_0 idea): the format's
+definition, in torch.
+
+A weight W [N, K] is held as `q` int8 [N, K] and `scales` float32 [N, G], G = ceil(K / GROUP):
+each row is cut into groups of GROUP consecutive columns (the last one shorter when K is not a
+multiple), and a group's scale is its largest magnitude over 127, so that
+
+    W[n, k] ~ q[n, k] * scales[n, k // GROUP],   q in [-127, 127] (symmetric: -128 unused)
+
+and each weight is off by at most half a step (scales / 2). A group of zeros has scale 0. The
+scales are float32 (q8_0 keeps fp16): 9 bits a weight instead of 8.5, and no group is too small
+or too large for its scale. Activations stay float: `linear` is x @ dequantise(q, scales)^T in
+float32, a block of rows of the weight dequantised at a time, so a product never holds the whole
+weight in float32 (a prefill's path; one row takes kernels/native/gemv_q8.c).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+# float32 bytes of weight rows dequantised at once by `linear`: over much smaller blocks a prefill's
+# product runs far below the whole weight's speed; at this size as fast (docs/BENCHMARKS.md, int8)
+BLOCK_BYTES = 32 << 20
+
+
+def groups(k: int) -> int:
+    return -(-k // GROUP)
+
+
+def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scales float32 [N, G]) of a float weight [N, K], on its device; a weight
+    that is not finite raises ValueError (no scale represents it)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantise: a float [N, K] weight, not {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    g = groups(k)
+    wf = F.pad(w.float(), (0, g * GROUP - k)).view(n, g, GROUP)
+    if not torch.isfinite(wf).all():
+        raise ValueError("quantise: the weight holds a value that is not finite")
+    scales = wf.abs().amax(-1) / 127  # [N, G]
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(wf / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(n, g * GROUP)[:, :k].contiguous(), scales
+
+
+def dequantise(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] that (q, scales) stand for."""
+    n, k = q.shape
+    g = scales.shape[1]
+    if g != groups(k) or scales.shape[0] != n:
+        raise ValueError(f"dequantise: scales {tuple(scales.shape)} for q {tuple(q.shape)}; need ({n}, {groups(k)})")
+    padded = (q if k == g * GROUP else F.pad(q, (0, g * GROUP - k))).reshape(n, g, GROUP)
+    return (padded.float() * scales[..., None]).view(n, g * GROUP)[:, :k]
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+           product: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+    """x [..., K] @ dequantise(q, scales)^T (+ bias) -> [..., N] in float32, a block of weight
+    rows (BLOCK_BYTES of float32) dequantised and multiplied at a time by `product` (F.linear's
+    signature: the engine passes its CPU GEMM)."""
+    n, k = q.shape
+    xf = x.float()
+    rows = max(1, BLOCK_BYTES // (4 * max(1, k)))
+    if rows >= n:
+        return product(xf, dequantise(q, scales), None if bias is None else bias.float())
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device=x.device)
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        y[..., lo:hi] = product(xf, dequantise(q[lo:hi], scales[lo:hi]), None if bias is None else bias[lo:hi].float())
+    return y
