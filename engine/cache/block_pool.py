@@ -20,20 +20,34 @@ reader): a state about to write into such a block copies it first (copy on write
 never writes below its length, so a whole block it saved is never written again.
 
 Blocks are allocated in runs of `batch` consecutive ones (a batch's sequences' blocks for one
-range of positions: a [B, Hkv, page, D] slab, the shape of a piece). The pool grows by doubling
-and moves the views it handed out onto the new storage, so no view holds an old pool alive.
+range of positions: a [B, Hkv, page, D] slab, the shape of a piece), the lowest free ones first,
+so the blocks in use gather at the pool's start and the free ones at its end. The pool grows by
+doubling and moves the views it handed out onto the new storage, so no view holds an old pool
+alive; it shrinks the same way (`trim`): when the blocks past the last one in use are more than
+three quarters of it, it moves onto storage twice the blocks up to that one (at least half of it
+given back; room for them to double before it grows again). No block changes its number or its
+bytes either way, so block tables stay valid and a shared block is never written (rule 3); only
+the storage under them is new. Both happen in `alloc`, on the thread that writes into the pool
+(a state making room), never where a block is let go (a piece may be dropped on another thread):
+
+    before  │ A │ v │ . │ . │ B │ . │ . │ . │ . │ . │ . │ . │ . │ . │ . │ . │ ... │   64 blocks
+    after   │ A │ v │ . │ . │ B │ . │ . │ . │ . │ . │ ... │ 16 blocks: 2 x 5, raised to MIN_BLOCKS
+            (A, B: states' blocks, v: a cached piece's view, .: free; every block keeps its number)
+
 `copied` and `written` count the bytes that went into blocks: keys and values copied from ones
 held elsewhere (a copy on write, a piece not of this pool) and new positions' keys and values.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import weakref
 
 import torch
 
 PAGE = 64  # positions per block unless told (a power of two: the Triton kernels tile by it)
+MIN_BLOCKS = 16  # the smallest storage a pool grows to or shrinks to
 
 
 class BlockPool:
@@ -46,7 +60,7 @@ class BlockPool:
             self.k = torch.empty(0, heads, page, head_dim, dtype=dtype, device=device)  # [N, Hkv, page, D]
             self.v = torch.empty_like(self.k)
         self.refs: list[int] = []  # per block ever allocated; blocks past it are spare capacity
-        self.free: list[int] = []  # blocks whose count fell to 0
+        self.free: list[int] = []  # blocks whose count fell to 0, a heap: the lowest is taken first
         self.copied = 0
         self.written = 0
         self._views: dict[int, weakref.ref] = {}  # id -> each view handed out and alive
@@ -67,6 +81,7 @@ class BlockPool:
             return self._alloc(n)
 
     def _alloc(self, n: int) -> int:
+        self._trim()
         first = self._free_run(n)
         if first is None:
             first = len(self.refs)
@@ -78,19 +93,43 @@ class BlockPool:
         return first
 
     def _free_run(self, n: int) -> int | None:
-        """The first of n consecutive free blocks, taken off the free list (a batch's run must be
-        consecutive); None when the free list holds no such run."""
+        """The first of the lowest n consecutive free blocks, taken off the free list (a batch's
+        run must be consecutive); None when the free list holds no such run."""
         if len(self.free) < n:
             return None
         if n == 1:
-            return self.free.pop()
+            return heapq.heappop(self.free)
         free = sorted(self.free)
         for i in range(len(free) - n + 1):
             if free[i + n - 1] - free[i] == n - 1:  # (the numbers are distinct: a run)
                 first = free[i]
-                self.free = [f for f in self.free if not first <= f < first + n]
+                self.free = free[:i] + free[i + n:]  # (sorted: still a heap)
                 return first
         return None
+
+    def trim(self) -> bool:
+        """Give back the storage past the last block in use when it is more than three quarters of
+        the pool (the module docstring); True if it shrank. Call it only where `alloc` may run: on
+        the thread that writes into the pool, no block of it being written."""
+        with self._lock:
+            return self._trim()
+
+    def _trim(self) -> bool:
+        cap = self.k.shape[0]
+        # the free blocks and the capacity past `refs` bound the free end: most calls stop here
+        if len(self.free) + cap - len(self.refs) < cap - cap // 4 or cap <= MIN_BLOCKS:
+            return False
+        end = len(self.refs)
+        while end and not self.refs[end - 1]:
+            end -= 1
+        keep = max(MIN_BLOCKS, 2 * end)
+        if keep > cap // 2:
+            return False
+        del self.refs[end:]
+        self.free = [f for f in self.free if f < end]
+        heapq.heapify(self.free)
+        self._move(keep, end)
+        return True
 
     def share(self, first: int, n: int = 1) -> None:
         """One more holder of the run (a hit mapping it, a view of it)."""
@@ -105,7 +144,7 @@ class BlockPool:
             for i in range(first, first + n):
                 self.refs[i] -= 1
                 if self.refs[i] == 0:
-                    self.free.append(i)
+                    heapq.heappush(self.free, i)
                 elif self.refs[i] < 0:
                     raise ValueError(f"block {i} released more often than it was held")
 
@@ -153,13 +192,17 @@ class BlockPool:
         self.copied += 2 * n * self.k[0, :, :positions].numel() * self.k.element_size()
 
     def _grow(self, needed: int) -> None:
-        cap = max(needed, 2 * self.k.shape[0], 16)
+        self._move(max(needed, 2 * self.k.shape[0], MIN_BLOCKS), self.k.shape[0])
+
+    def _move(self, cap: int, blocks: int) -> None:
+        """The pool onto new storage of `cap` blocks, its first `blocks` copied (each keeps its
+        number), every view handed out moved with it."""
         moved = {}
         with torch.inference_mode(False), torch.no_grad():
             for name in ("k", "v"):
                 old = getattr(self, name)
                 new = torch.empty(cap, *old.shape[1:], dtype=old.dtype, device=old.device)
-                new[: old.shape[0]] = old  # block i keeps its number
+                new[:blocks] = old[:blocks]
                 moved[old.untyped_storage().data_ptr()] = new
                 setattr(self, name, new)
             for ref in list(self._views.values()):
