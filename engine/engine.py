@@ -114,7 +114,8 @@ class Engine:
         return self.model.config.max_position_embeddings
 
     def new_state(self) -> ModelState:
-        return self.model.new_state(batch=1)
+        """A fresh state, made as its cache makes them (its page size) when it has one."""
+        return self.cache.new_state() if self.cache is not None else self.model.new_state(batch=1)
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         if len(ids) == 0:

@@ -283,3 +283,32 @@ def test_freed_runs_of_a_batch_are_reused():
         del state
         gc.collect()
     assert pool.k.shape[0] <= 16 and pool.blocks_in_use() == 0
+
+
+def test_two_caches_of_different_block_sizes_on_one_model_each_share_their_own_blocks():
+    """Caches of blocks of 16 and 32 made on one model before either runs: each makes its states in
+    the pools of its own page, so each one's hit maps its cached blocks (no byte copied) and gives a
+    cold dense run's logits; the second cache does not turn the first's hits into copies."""
+    model = _qwen()
+    engines = {block: Engine(model, cache=PrefixCache(model, CacheConfig(block_size=block, checkpoint_every=1)))
+               for block in (16, 32)}
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 263, (100,), generator=g).tolist()
+    follow = prompt + torch.randint(0, 263, (20,), generator=g).tolist()
+    with torch.no_grad():
+        model.use_kv_layout("dense")
+        want = Engine(model).start(follow).logits
+        model.use_kv_layout("paged")
+        for block, engine in engines.items():
+            engine.start(prompt).finish()
+            copied = sum(p.copied for p in _pools(model))
+            run = engine.start(follow)
+            assert run.plan.usable_tokens == 96 and run.plan.exact
+            assert sum(p.copied for p in _pools(model)) == copied  # mapped, nothing copied
+            assert (run.logits - want).abs().max().item() <= 1e-4
+            (kv,) = [s for s in run.state.layers if isinstance(s, PagedKVState)]
+            cached = {kv.pool.owns(*rec.pieces[(3, "kv")].data) for rec in engine.cache.table}
+            assert kv.page == block and set(kv.runs[:96 // block]) <= cached
+            assert engine.new_state().layers[3].page == block
+            run.finish()
+    assert sorted(p.page for p in _pools(model)) == [16, 32]

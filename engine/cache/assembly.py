@@ -28,11 +28,13 @@ from engine.metrics import CacheMetrics
 
 class Assembler:
     """Builds a plan's prefix state from the table's records; `template` is a fresh state of the
-    model and `template_pieces` its layers' empty pieces, the shapes every piece is held to."""
+    model and `template_pieces` its layers' empty pieces, the shapes every piece is held to;
+    `new_state` makes a fresh state as the cache does (its page size)."""
 
     def __init__(self, model, table: StateTable, template: ModelState, template_pieces: list[dict[str, Piece]],
-                 block_size: int, metrics: CacheMetrics):
+                 block_size: int, metrics: CacheMetrics, new_state: Callable[[], ModelState]):
         self.model = model
+        self.new_state = new_state
         self.table = table
         self.template = template
         self.template_pieces = template_pieces
@@ -43,7 +45,7 @@ class Assembler:
         """Assemble the plan's prefix. Returns (None, reason) when the plan went stale (a record
         changed between check and use) or a piece failed a check; the caller re-plans."""
         if not plan.usable_tokens:
-            return self.model.new_state(), ""
+            return self.new_state(), ""
         keys = list(plan.keys)
         self.table.pin(keys)  # from here to the end of assembly nothing can evict them
         try:
@@ -68,7 +70,7 @@ class Assembler:
     def _layers(self, plan: ReusePlan, records: list[SegmentRecord]) -> tuple[list | None, str]:
         """Every layer's state at the plan's boundary, or (None, why) at the first that fails."""
         device = self.model.device  # (read once: a module attribute lookup per piece added up)
-        fresh = self.model.new_state() if plan.replay_from is not None else None
+        fresh = self.new_state() if plan.replay_from is not None else None
         layers = []
         for i, template in enumerate(self.template.layers):
             if fresh is not None and Kind.RECURRENT in self.template_pieces[i]:

@@ -2,6 +2,12 @@
 cache of one model, in blocks of `page` positions, each with a reference count (vLLM's block
 table and block manager, one pool per layer, on the CPU too).
 
+A layer keeps one pool per page size (GatedAttention.kv_pool). A PrefixCache makes every state
+it hands out (hits and cold starts alike, and Engine.new_state for its engine) in the pools of
+its own block size's page (`page_for`), so two caches of different block sizes on one model each
+share their own segments without copying; the model's `kv_page` is only the page of states made
+without a cache.
+
     pool.k  [N, Hkv, page, D]  (pool.v alike)
               ┌────┬────┬────┬────┬────┐
     block     │ 0  │ 1  │ 2  │ 3  │ 4  │
@@ -48,6 +54,13 @@ import torch
 
 PAGE = 64  # positions per block unless told (a power of two: the Triton kernels tile by it)
 MIN_BLOCKS = 16  # the smallest storage a pool grows to or shrinks to
+
+
+def page_for(block_size: int) -> int:
+    """The page of the pool a prefix cache of `block_size` shares its segments in: the block size
+    where it is a power of two of at least 16 (the Triton kernels' smallest tile), so a segment is
+    a whole block; else PAGE, and its segments are copied."""
+    return block_size if block_size >= 16 and block_size & (block_size - 1) == 0 else PAGE
 
 
 class BlockPool:

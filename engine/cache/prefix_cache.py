@@ -6,7 +6,9 @@
     writer(plan)    a per-request recorder (writer.py) that stores each segment the request crosses
                     and keeps checkpoints only where they will be wanted
 
-Its settings are a CacheConfig (config.py).
+Its settings are a CacheConfig (config.py). Every state it hands out is made in its own page size
+(`new_state`): paged KV in the pools of block_pool.page_for(block_size), so its segments are whole
+blocks it shares, whatever block size another cache on the same model has (block_pool.py).
 
 Nothing here knows a model family: pieces are (layer, kind) -> states.Piece, and a missing kind
 is routed by kind (recovery.py).
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from engine.cache.assembly import Assembler
+from engine.cache.block_pool import page_for
 from engine.cache.config import CacheConfig, Reuse
 from engine.cache.kv import KVState, PagedKVState
 from engine.cache.miss import Miss
@@ -126,8 +129,8 @@ class PrefixCache:
         # when it ends); a server decoding other requests meanwhile hands over and goes on
         self.wait_for_disk = True
         self.model = model
-        model.use_kv_page(self.config.block_size)  # a segment a whole block: saved and hit without a copy
-        self.template = model.new_state()
+        self.kv_page = page_for(self.config.block_size)  # a segment a whole block: saved and hit without a copy
+        self.template = self.new_state()
         # the layout of the KV states it assembles (its model's when it was made); None: no full attention
         kinds = {type(s) for s in self.template.layers} & {KVState, PagedKVState}
         self.kv_layout = None if not kinds else "paged" if PagedKVState in kinds else "dense"
@@ -152,7 +155,7 @@ class PrefixCache:
                                    replay_cost if self.config.exact_replay else None)
         self.metrics = CacheMetrics()
         self.assembler = Assembler(model, self.table, self.template, self.template_pieces, self.config.block_size,
-                                   self.metrics)
+                                   self.metrics, self.new_state)
         self.events: deque[CacheLookup] = deque(maxlen=1000)
         self.admission = AdmissionControl(self.config.max_pending_recoveries, self.config.recovery_budget_tokens)
         self.topology = topology_fingerprint(self.config.block_size, self.template_pieces)
@@ -305,6 +308,11 @@ class PrefixCache:
     def block_size(self) -> int:
         return self.config.block_size
 
+    def new_state(self) -> ModelState:
+        """A fresh state of its model (batch 1), paged KV in the pools of this cache's page: the
+        states it hands out and Engine.new_state for its engine, so their pages are its segments."""
+        return self.model.new_state(kv_page=self.kv_page)
+
     def lookup(self, tokens: Sequence[int]) -> tuple[ReusePlan, ModelState, int | None]:
         """(plan, assembled state, admission ticket to release when the request ends)."""
         step = self.table.tick()
@@ -324,13 +332,13 @@ class PrefixCache:
             abandoned.append(why)
             self.metrics.replans += 1
         else:
-            plan, state = self._cold_plan(tokens, match), self.model.new_state()
+            plan, state = self._cold_plan(tokens, match), self.new_state()
             abandoned.append("gave up reuse after repeated re-plans")
         ticket = self.admission.admit(plan)
         if ticket is None:
             abandoned.append(f"rule 1: admission cap ({len(self.admission.pending)} recoveries pending, "
                              f"budget {self.admission.recovery_budget_tokens} tokens); recomputing instead")
-            plan, state = self._cold_plan(tokens, self.index.match(tokens)), self.model.new_state()
+            plan, state = self._cold_plan(tokens, self.index.match(tokens)), self.new_state()
             ticket = self.admission.admit(plan)
         event = CacheLookup(step, plan, "; ".join(abandoned))
         self.events.append(event)

@@ -38,20 +38,22 @@ class GatedAttention(nn.Module):
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
     kv_choice = "auto"  # EngineConfig.kv_layout, set through HybridModel.use_kv_layout
-    kv_page = PAGE  # positions per block of a paged state: the prefix cache's block size (HybridModel.use_kv_page)
+    kv_page = PAGE  # positions per block of a paged state made without a page asked for (HybridModel.use_kv_page)
 
-    def new_state(self, batch: int, dtype, device) -> KVState | PagedKVState:
+    def new_state(self, batch: int, dtype, device, page: int | None = None) -> KVState | PagedKVState:
+        """A state with no positions; a paged one in the pool of `page` (kv_page unless given)."""
         if kv_layout(self.kv_choice, device) == "paged":
-            return PagedKVState.empty(batch, self.n_kv, self.head_dim, dtype, device, pool=self.kv_pool(dtype, device))
+            pool = self.kv_pool(dtype, device, page or self.kv_page)
+            return PagedKVState.empty(batch, self.n_kv, self.head_dim, dtype, device, pool=pool)
         return KVState.empty(batch, self.n_kv, self.head_dim, dtype, device)
 
-    def kv_pool(self, dtype, device) -> BlockPool:
-        """The block pool every paged state of this layer shares (and so the cache's pieces of them),
-        one per page size, dtype and device."""
+    def kv_pool(self, dtype, device, page: int) -> BlockPool:
+        """The block pool every paged state of this layer with blocks of `page` shares (and so the
+        cache's pieces of them), one per page size, dtype and device."""
         pools = self.__dict__.setdefault("_kv_pools", {})
-        key = (self.kv_page, dtype, torch.device(device))
+        key = (page, dtype, torch.device(device))
         if key not in pools:
-            pools[key] = BlockPool(self.n_kv, self.head_dim, dtype, device, self.kv_page)
+            pools[key] = BlockPool(self.n_kv, self.head_dim, dtype, device, page)
         return pools[key]
 
     def forward(self, x: torch.Tensor, state: KVState | PagedKVState | None, start: int) -> torch.Tensor:

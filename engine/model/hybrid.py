@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.kv import PAGE, KVState, PagedKVState, kv_layout
+from engine.cache.block_pool import page_for
+from engine.cache.kv import KVState, PagedKVState, kv_layout
 
 from engine.cache.states import ModelState
 from engine.config import V4_KINDS, ModelConfig
@@ -129,16 +130,18 @@ class HybridModel(nn.Module):
                 blk.mixer.kv_choice = choice
 
     def use_kv_page(self, positions: int) -> None:
-        """Blocks of `positions` for the paged states made from now on (the prefix cache's block size,
-        so that a segment is a whole block it can share); one that is no power of two of at least 16
-        (the Triton kernels' smallest tile) keeps PAGE, and its segments are copied."""
-        page = positions if positions >= 16 and positions & (positions - 1) == 0 else PAGE
+        """Blocks of `page_for(positions)` for the paged states made from now on without a page asked
+        for (a PrefixCache asks for its own: block_pool.py)."""
         for blk in self.layers:
             if isinstance(blk.mixer, GatedAttention):
-                blk.mixer.kv_page = page
+                blk.mixer.kv_page = page_for(positions)
 
-    def new_state(self, batch: int = 1) -> ModelState:
-        return ModelState([blk.mixer.new_state(batch, self.dtype, self.device) for blk in self.layers])
+    def new_state(self, batch: int = 1, kv_page: int | None = None) -> ModelState:
+        """A state with no positions; paged full-attention layers in their pools of `kv_page`
+        positions a block (the layers' kv_page unless given)."""
+        dtype, device = self.dtype, self.device
+        return ModelState([blk.mixer.new_state(batch, dtype, device, kv_page) if isinstance(blk.mixer, GatedAttention)
+                           else blk.mixer.new_state(batch, dtype, device) for blk in self.layers])
 
     def forward(self, input_ids: torch.Tensor, state: ModelState | None = None,
                 last_only: bool = False, replay_from: int | None = None,
