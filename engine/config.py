@@ -22,8 +22,10 @@ LAYER_KINDS = ("linear_attention", "full_attention", "sliding_attention", "compr
 COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
 V4_KINDS = ("sliding_attention", *COMPRESSED_KINDS)
 
+# int8 names a weights format rather than a compute dtype: the projections held as int8, everything
+# else and all computation float32 (engine/model/int8.py)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "int8": torch.int8}
 
 
 class ConfigError(ValueError):
@@ -31,11 +33,18 @@ class ConfigError(ValueError):
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The dtype a model loads in (torch.int8: int8 weights, float32 compute)."""
     if isinstance(name, torch.dtype):
         return name
     if name not in _DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; choose one of fp32, bf16, fp16")
+        raise ConfigError(f"unknown dtype {name!r}; choose one of fp32, bf16, fp16, int8")
     return _DTYPES[name]
+
+
+def compute_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The dtype activations, states and the unquantised weights have under a load dtype."""
+    dtype = parse_dtype(dtype)
+    return torch.float32 if dtype is torch.int8 else dtype
 
 
 @dataclass(frozen=True)

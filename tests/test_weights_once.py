@@ -50,7 +50,8 @@ for _ in range(4):
     engine.decode(5, state)
 gc.collect()
 ran, _ = rss()
-weights = sum({p.untyped_storage().data_ptr(): p.nbytes for p in model.parameters()}.values())
+held = [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith(("weight_q8", "weight_scale")))]
+weights = sum({p.untyped_storage().data_ptr(): p.nbytes for p in held}.values())
 print(json.dumps({"weights": weights, "load": loaded - base, "load_peak": load_peak - base, "prefill": ran - base}))
 """
 
@@ -78,7 +79,7 @@ def _measure(folder, dtype: str) -> dict:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the resident set from /proc/self/status")
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "int8"])
 def test_resident_set_is_the_weights_once(model_dir, dtype):
     m = _measure(model_dir, dtype)
     bound = 1.2 * m["weights"] + RUNTIME
@@ -109,16 +110,18 @@ def _held_bytes(model: torch.nn.Module) -> int:
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
-    return sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values())
+    """Parameters, and the int8 weights' buffers (--dtype int8 holds a projection as those only)."""
+    held = [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith(("weight_q8", "weight_scale")))]
+    return sum({p.data_ptr(): p.nbytes for p in held}.values())
 
 
 # the caches derived from weights: fp32 norm scales, -exp(A_log), the conv taps (a few KB a layer)
 DERIVED = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def ran_model(model_dir):
-    model = load_model(model_dir, dtype="bf16", device="cpu")
+@pytest.fixture(scope="module", params=["bf16", "int8"])
+def ran_model(model_dir, request):
+    model = load_model(model_dir, dtype=request.param, device="cpu")
     with torch.inference_mode(False), torch.no_grad():
         model(torch.arange(16)[None], model.new_state())
     return model
@@ -141,6 +144,7 @@ def test_a_cached_copy_of_a_weight_is_counted(ran_model):
 
 
 def test_show_reports_the_weights_bytes(model_dir, ran_model):
+    from engine.model.int8 import weights_format
     from workbench.catalog import describe
 
-    assert describe(model_dir)["weight_bytes"]["bf16"] == _weight_bytes(ran_model)
+    assert describe(model_dir)["weight_bytes"][weights_format(ran_model)] == _weight_bytes(ran_model)

@@ -115,7 +115,7 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
     len(lengths) * tasks of them (`workbench.progress`); `engine`: what the engines run with."""
     counter = counter or Steps()
     folder = resolve_model(model)
-    m = load_model(folder)
+    m = load_model(folder, dtype=engine.dtype if engine is not None else "fp32")
     config = engine.bind(m) if engine is not None else None
     tok = load_tokenizer(folder, m.config.extra)
     if tok is None:

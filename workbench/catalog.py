@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.cache.states import COMPRESSOR_KINDS, Kind
-from engine.config import ModelConfig, parse_dtype
+from engine.config import ModelConfig, compute_dtype
 from engine.model.loader import BUILTIN_MODELS, resolve_model
 from engine.tokenizer import HFTokenizer, load_tokenizer
 
@@ -36,7 +36,7 @@ SHORT = {"linear_attention": "gdn", "full_attention": "full", "sliding_attention
 
 def state_bytes(cfg: ModelConfig, tokens: int, dtype: str | torch.dtype = "fp32") -> dict[str, int]:
     """Bytes of one sequence's state after `tokens` tokens, by state kind (summed over layers)."""
-    e = parse_dtype(dtype).itemsize
+    e = compute_dtype(dtype).itemsize
     out: collections.Counter = collections.Counter()
     for kind in cfg.layer_types:
         if kind == "full_attention":
@@ -94,14 +94,20 @@ def parameters(cfg: ModelConfig) -> int:
 
 def weight_bytes(cfg: ModelConfig) -> dict[str, int]:
     """Bytes of the weights as loaded under each dtype (tied embeddings once; the loader holds each
-    weight once, so this is what they take in memory), counted on the meta device."""
+    weight once, so this is what they take in memory), counted on the meta device; int8: the
+    projections int8 with their scales, the rest float32 (engine/model/int8.py's rule)."""
     from engine.model.hybrid import HybridModel
+    from engine.model.int8 import int8_bytes, int8_linears
     from engine.model.loader import _param_dtype
 
     with torch.device("meta"):
         model = HybridModel(cfg)
-    return {name: sum(p.numel() * _param_dtype(cfg, k, p, dtype).itemsize for k, p in model.named_parameters())
-            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+    out = {name: sum(p.numel() * _param_dtype(cfg, k, p, dtype).itemsize for k, p in model.named_parameters())
+           for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+    quantised = {f"{name}.weight" for name in int8_linears(model)}
+    out["int8"] = sum(int8_bytes(p.shape) if k in quantised else p.numel() * _param_dtype(cfg, k, p, torch.float32).itemsize
+                      for k, p in model.named_parameters())
+    return out
 
 
 def describe(name: str | Path) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from workbench.cli_app import DB_HELP, app, engine_config, fail
+from workbench.cli_app import DB_HELP, DTYPE_HELP, app, engine_config, fail
 
 # ChatOptions' defaults, for `hcw chat --help` without importing the engine (a test holds them equal)
 CHAT_DEFAULTS = {"system": "You are a helpful assistant. Remember what the user tells you.", "temperature": 0.8,
@@ -31,7 +31,7 @@ def generate(
     temperature: float = typer.Option(1.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: int | None = typer.Option(None, "--seed"),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16"),
+    dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
     device: str | None = typer.Option(None, "--device", help="cpu | cuda (default: cuda when present)"),
     chunk_size: int = typer.Option(2048, "--chunk-size", min=1, help="prefill chunk size"),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
@@ -69,7 +69,7 @@ def drill(
     names: list[str] = typer.Option(None, "--drill", help="run only these drills (repeatable)"),
     block_size: int = typer.Option(16, "--block-size", min=1),
     prompt_len: int = typer.Option(96, "--prompt-len", min=2),
-    dtype: str = typer.Option("fp32", "--dtype"),
+    dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Break each kind of cached state on purpose and show the next hit is still exact (a progress
@@ -228,6 +228,7 @@ def chat(
     plain: bool = typer.Option(False, "--plain", help="line-based REPL (also used when stdin is not a terminal)"),
     as_json: bool = typer.Option(False, "--json", help="plain mode: one JSON object per answer or command"),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
+    dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
     verbose: bool = typer.Option(False, "--verbose", help="plain mode: after each answer, Ollama-style stats "
                                  "(load, prompt eval and eval counts and rates, cached tokens) on stderr"),
 ) -> None:
@@ -256,7 +257,7 @@ def chat(
                               replay_budget=(budget := parse_budget(replay_budget)),
                               replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
                               sketch_every=gdn_sketches, deterministic=deterministic,
-                              engine=engine_config(prefill_chunk_size=CHAT_PREFILL_CHUNK), **given)
+                              engine=engine_config(dtype, prefill_chunk_size=CHAT_PREFILL_CHUNK), **given)
         line_based = plain or as_json or not sys.stdin.isatty()
         if line_based:
             t0 = time.perf_counter()

@@ -37,6 +37,10 @@ DB_HELP = ("workbench file: conversations and cached segments (default: $HCW_HOM
            "$XDG_DATA_HOME/hcw/hcw.db, else ~/.local/share/hcw/hcw.db)")
 
 
+# --dtype, where a command loads a model
+DTYPE_HELP = "fp32 | bf16 | fp16 | int8 (the projections int8 with a scale per group of 32, the rest and all compute fp32)"
+
+
 def engine_config(dtype: str = "fp32", **given):
     """The EngineConfig a command runs with, the HCW_KV / HCW_KERNELS / HCW_NATIVE / HCW_STATIC
     variables mapped onto it; the command hands it to what it runs (EngineConfig.bind sets the KV

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from workbench.cli_app import app, engine_config, fail
+from workbench.cli_app import DTYPE_HELP, app, engine_config, fail
 
 
 @app.command()
@@ -109,6 +109,7 @@ def bench_replay(
                                      "GDN sketches kept every N segments of the context (0: not)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     write_docs: bool = typer.Option(False, "--write-docs", help="write the table and plot into docs/"),
+    dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Tail-Replay vs full prefill: quality and TTFT by prefix length and replay budget (a progress
     bar counts the tasks on stderr when it is a terminal and --json is not given)."""
@@ -116,7 +117,7 @@ def bench_replay(
     from workbench.progress import bar, wanted
 
     try:
-        engine = engine_config()
+        engine = engine_config(dtype)
         lengths = [int(x) for x in prefix_lengths.split(",") if x.strip()]
         if not lengths or min(lengths) < 64:
             raise ValueError("--prefix-lengths: give token counts of at least 64")

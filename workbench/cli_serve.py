@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from workbench.cli_app import DB_HELP, app, engine_config, fail
+from workbench.cli_app import DB_HELP, DTYPE_HELP, app, engine_config, fail
 
 
 @app.command()
@@ -27,6 +27,7 @@ def serve(
     threads: int | None = typer.Option(None, "--threads", min=1, help="CPU threads for the model (default: "
                                        "torch's, one per core; on a machine busy with other work, fewer decode "
                                        "faster)"),
+    dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
     with /health and Prometheus /metrics. Every response says what the cache reused: OpenAI's
@@ -39,7 +40,7 @@ def serve(
 
     try:
         check_exposure(host, api_key, insecure_no_auth)
-        chat = ChatOptions.of(model=model, db=db, reuse=reuse, engine=engine_config(prefill_chunk_size=CHAT_PREFILL_CHUNK))
+        chat = ChatOptions.of(model=model, db=db, reuse=reuse, engine=engine_config(dtype, prefill_chunk_size=CHAT_PREFILL_CHUNK))
         opts = ServeOptions(chat, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, api_key=api_key)
     except ValueError as e:
         fail(str(e))

@@ -96,7 +96,7 @@ def open_engine(opts: ChatOptions, who: str, model: HybridModel | None = None) -
     workbench file's write-behind tier, the prefix cache over it and the engine. `who` names the
     command in the error when the model has no tokenizer. If the cache or the engine cannot be
     made, the tier is closed again before the error goes on."""
-    model = model if model is not None else load_model(opts.model)
+    model = model if model is not None else load_model(opts.model, dtype=opts.engine.dtype)
     tok = load_tokenizer(resolve_model(opts.model), model.config.extra)
     if tok is None:
         raise ValueError(f"{opts.model} has no tokenizer; {who} needs one")

@@ -1,5 +1,5 @@
 """Modules called as plain functions, and the one-row product split across threads (fp32) or
-taken by the native kernel (bf16, kernels/native/gemv.c).
+taken by the native kernel (bf16, kernels/native/gemv.c; int8 weights, kernels/native/gemv_q8.c).
 
 `nn.Module.__call__` (hook dispatch, a few microseconds) is paid on every call, and a small
 model's decode step makes ~90 of them: ~5% of the step here (measured against the same model
@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import q8
 from kernels.native import gemv as native_gemv
+from kernels.native import gemv_q8 as native_gemv_q8
 
 # Weights below this many elements (256 KB in fp32) stay in the core's cache between decode steps
 # and one thread reads them as fast as two; above it the split pays for its extra reduction.
@@ -41,9 +43,20 @@ class Linear(Direct, nn.Linear):
     thread, summed: torch runs a one-row matmul on a single thread, which reads a weight that has
     left the cache at one core's bandwidth, while a batched matmul spreads its batch over the
     threads. The weight is not copied: [in, out] storage is already `parts` stacked [in/parts, out]
-    blocks. Rounds differently from one matmul in the last bits (a sum of partial sums)."""
+    blocks. Rounds differently from one matmul in the last bits (a sum of partial sums).
+
+    With int8 weights (`quantise`: kernels/q8's format, engine/model/int8.py) the float weight is
+    gone: one row takes the native int8 kernel, several rows the reference's product (a block of
+    weight rows dequantised at a time, multiplied by `linear`), both in float32."""
+
+    int8 = False  # the weight is held as `weight_q8` and `weight_scale` (quantise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8:
+            q, scales, bias = self._buffers["weight_q8"], self._buffers["weight_scale"], self._parameters["bias"]
+            if x.numel() == self.in_features and native_gemv_q8.applies(x, q, scales, bias):
+                return native_gemv_q8.gemv_q8(x, q, scales, bias)
+            return q8.linear(x, q, scales, bias, product=linear)
         if x.numel() == self.in_features and not torch.is_grad_enabled():
             w = self._parameters["weight"]
             # a bf16 weight: one C call reads it once at the memory's bandwidth over torch's
@@ -60,6 +73,20 @@ class Linear(Direct, nn.Linear):
                     y = y + bias
                 return y.view(*x.shape[:-1], self.out_features)
         return linear(x, self.weight, self.bias)
+
+    def quantise(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        """Hold the weight as int8 from now on: `q` int8 [out, in] and `scales` float32 [out,
+        ceil(in / 32)] (kernels.q8.quantise of it); the float weight is dropped."""
+        if tuple(q.shape) != (self.out_features, self.in_features) or q.dtype is not torch.int8:
+            raise ValueError(f"quantise: int8 [{self.out_features}, {self.in_features}], not {q.dtype} {tuple(q.shape)}")
+        if tuple(scales.shape) != (self.out_features, q8.groups(self.in_features)) or scales.dtype is not torch.float32:
+            raise ValueError(f"quantise: float32 scales [{self.out_features}, {q8.groups(self.in_features)}], "
+                             f"not {scales.dtype} {tuple(scales.shape)}")
+        del self.weight
+        self.register_buffer("weight_q8", q)
+        self.register_buffer("weight_scale", scales)
+        self.int8 = True
+        self.__dict__.pop("_split_held", None)
 
     def _apply(self, fn, recurse: bool = True):
         # .to(), .half(), .cuda() replace the weight: a held view would keep the old storage alive

@@ -21,11 +21,13 @@ import xxhash
 from torch import nn
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ConfigError, ModelConfig, parse_dtype
+from engine.config import ConfigError, ModelConfig, compute_dtype, parse_dtype
 from engine.model.file_pages import drop_resident, file_ranges
 from engine.model.fused import FusedLinear
 from engine.model.hybrid import HybridModel
+from engine.model.int8 import int8_linears
 from engine.model.weights_digest import files_digest, header_digest
+from kernels import q8
 
 LOADER_VERSION = 1  # bump when load_model turns the same files into different tensors (part of the digest)
 
@@ -57,10 +59,13 @@ def resolve_model(path: str | Path) -> Path:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | None = None) -> HybridModel:
     """Build the model described by `path/config.json` (or a built-in model's name, e.g.
-    "hcw-tiny") and load its safetensors weights."""
+    "hcw-tiny") and load its safetensors weights. dtype "int8" (torch.int8): the projections
+    quantised from the checkpoint's weights and held as int8 only, the rest float32
+    (engine/model/int8.py)."""
     folder = resolve_model(path)
     cfg = ModelConfig.from_folder(folder)
-    dtype = parse_dtype(dtype)
+    int8 = parse_dtype(dtype) is torch.int8
+    dtype = compute_dtype(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         with torch.device("meta"), _no_init():
@@ -78,9 +83,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
         _check(model, state)
         dropper = _Dropper(mapped)
         _fuse(model, state, dropper)
-        transposed = _transposed_names(model) if torch.device(device).type == "cpu" else set()
+        quantised = {f"{name}.weight": mod for name, mod in int8_linears(model).items()} if int8 else {}
+        transposed = _transposed_names(model) - quantised.keys() if torch.device(device).type == "cpu" else set()
+        held_int8 = _quantise(state, quantised.keys(), device, dropper, cfg)
         _final_layout(cfg, state, dtype, device, transposed, dropper)
     model.load_state_dict(state, strict=False, assign=True)
+    for name, (q, scales) in held_int8.items():
+        quantised[name].quantise(q, scales)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # every byte of the files, so that another model never reuses this one's cached states
@@ -303,6 +312,30 @@ def _final_layout(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch
                 dropper.add(v[lo:lo + step].nbytes)
         state[k] = w
     dropper.flush()
+
+
+def _quantise(state: dict[str, torch.Tensor], names, device: str, dropper: _Dropper,
+              cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The weights `names` taken out of `state` and quantised (kernels/q8) from the checkpoint's
+    values, a block of rows at a time, the file pages read for each block given back as it goes:
+    name -> (q, scales). A weight that is not finite is a WeightsError naming it."""
+    out = {}
+    for k in names:
+        v = state.pop(k)
+        n, width = v.shape
+        q = torch.empty(n, width, dtype=torch.int8, device=device)
+        scales = torch.empty(n, q8.groups(width), dtype=torch.float32, device=device)
+        step = max(1, _DROP_EVERY // max(1, v[0].nbytes))
+        for lo in range(0, n, step):
+            try:
+                q[lo:lo + step], scales[lo:lo + step] = q8.quantise(v[lo:lo + step].to(device))
+            except ValueError as e:
+                raise WeightsError(f"tensor {cfg.weight_prefix + k!r} cannot be held as int8: {e}") from None
+            dropper.add(v[lo:lo + step].nbytes)
+        out[k] = (q, scales)
+        del v
+    dropper.flush()
+    return out
 
 
 def _fused_modules(model: HybridModel):

@@ -17,6 +17,10 @@ from kernels.q8 import groups
 from kernels.q8 import linear as reference
 
 _ARGS = [P, P, P, P, P, L, L, I]
+# a weight smaller than this many elements (256 KB of int8) is read by one thread: it is a few
+# microseconds' work, about what waking a second thread costs (and far more when the cores are
+# busy with other processes)
+THREADED_MIN_ELEMENTS = 1 << 18
 
 
 def kernel(symbol: str = "hcw_gemv_q8"):
@@ -45,8 +49,9 @@ def applies(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.
 def gemv_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
             threads: int | None = None) -> torch.Tensor:
     """x [..., K] (one float32 row) @ dequantise(q, scales)^T (+ bias) -> [..., N] float32, on
-    `threads` threads (torch's intra-op count by default). Shapes, dtypes and layouts are checked
-    here; check `applies` first for whether the kernel is the right path."""
+    `threads` threads (default: torch's intra-op count, one below THREADED_MIN_ELEMENTS). Shapes,
+    dtypes and layouts are checked here; check `applies` first for whether the kernel is the right
+    path."""
     if q.dim() != 2 or not _takes(x, q, scales, bias):
         bias_text = "" if bias is None else f", bias {tuple(bias.shape)} {bias.dtype}"
         raise ValueError(f"gemv_q8: needs one contiguous float32 row of K, a contiguous int8 weight [N, K], "
@@ -55,7 +60,7 @@ def gemv_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.
     n, k = q.shape
     y = dispatch.empty(*x.shape[:-1], n, dtype=torch.float32, device=torch.device("cpu"))
     kernel()(q.data_ptr(), scales.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-             y.data_ptr(), n, k, threads or torch.get_num_threads())
+             y.data_ptr(), n, k, threads or (torch.get_num_threads() if q.numel() >= THREADED_MIN_ELEMENTS else 1))
     return y
 
 

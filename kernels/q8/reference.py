@@ -48,13 +48,14 @@ def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantise(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 weight [N, K] that (q, scales) stand for."""
+    """The float32 weight [N, K] that (q, scales) stand for (contiguous)."""
     n, k = q.shape
     g = scales.shape[1]
     if g != groups(k) or scales.shape[0] != n:
         raise ValueError(f"dequantise: scales {tuple(scales.shape)} for q {tuple(q.shape)}; need ({n}, {groups(k)})")
     padded = (q if k == g * GROUP else F.pad(q, (0, g * GROUP - k))).reshape(n, g, GROUP)
-    return (padded.float() * scales[..., None]).view(n, g * GROUP)[:, :k]
+    w = (padded.float() * scales[..., None]).view(n, g * GROUP)
+    return w if k == g * GROUP else w[:, :k].contiguous()
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
