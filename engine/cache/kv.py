@@ -110,8 +110,8 @@ def kv_layout(choice: str, device) -> str:
     per layer, read by scaled_dot_product_attention), paged (blocks of the layer's pool shared by
     every state and the prefix cache, through a block table: a hit maps cached blocks, read in place
     by the paged-attention kernels, Triton on CUDA and kernels/native on the CPU), or auto: paged on
-    CUDA, dense elsewhere, where the C decode kernel runs on one thread and SDPA over one buffer
-    spreads key-value heads over the threads (docs/BENCHMARKS.md, "Dense vs paged KV on the CPU")."""
+    CUDA, dense elsewhere until paged costs a CPU prefill and decode step at most 3% (docs/BENCHMARKS.md,
+    "Dense vs paged KV on the CPU")."""
     if choice == "auto":
         return "paged" if torch.device(device).type == "cuda" else "dense"
     if choice not in ("dense", "paged"):
