@@ -111,8 +111,9 @@ def main() -> None:
              f"chunks ({rounds} rounds), then decode on the two prefilled states in {3 * rounds} rounds of {steps} "
              "steps; dense and paged KV (page 64) interleaved, order alternating; medians over rounds; `paged vs "
              "dense` is the median of each round's paged/dense time ratio (+: paged slower). The CPU default is "
-             "paged where both cost <= 3%. The C decode kernel and SDPA both spread a sequence's key-value heads "
-             "over the threads (hcw-tiny has two, hcw-tiny-qwen3.5 one).")
+             "paged where both cost <= 3%. SDPA spreads a sequence's key-value heads over the threads (hcw-tiny "
+             "has two, hcw-tiny-qwen3.5 one); the C decode kernel also cuts a pair of 1,024 positions or more "
+             "into partitions of 512 (split-K).")
     body = "\n".join([intro, "", HEADER, *(row.text for row in rows), "", verdict])
     print("\n" + verdict)
     if not args.no_write:

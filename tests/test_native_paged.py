@@ -74,16 +74,64 @@ def test_the_thread_count_does_not_change_the_result(dtype, tol, heads, kv_heads
     """Three sequences of odd lengths (ending mid-block, sharing blocks) over GQA groups: each
     (sequence, key-value head) pair is computed whole by one thread, so any split of the pairs gives
     the one-thread result to the bit (an output a thread skipped stays NaN)."""
-    args = _inputs(3, heads, kv_heads, 32, 16, [501, 63, 130], dtype, seed=5)
+    _same_on_any_thread_count(_inputs(3, heads, kv_heads, 32, 16, [501, 63, 130], dtype, seed=5), window, tol,
+                              items=3 * kv_heads)
+
+
+def _same_on_any_thread_count(args, window, tol, items):
+    """The one-thread result near the reference's, and every thread count's equal to it; `items`:
+    the pieces of work the threads share (pairs or partitions)."""
     q, k_pool, _, _, lengths = args
-    pairs = 3 * kv_heads
     with torch.no_grad():
         one = native_paged.paged_decode(*args, window=window, threads=1)
         assert not one.isnan().any()
         assert _rel(one, reference.paged_decode(*args, window=window)) <= tol
-        for threads in (2, 3, pairs + 1):
-            assert native_paged.team(q, k_pool, lengths, window, threads) == min(threads, pairs)
+        for threads in (2, 3, items + 1):
+            assert native_paged.team(q, k_pool, lengths, window, threads) == min(threads, items)
             assert torch.equal(native_paged.paged_decode(*args, window=window, threads=threads), one)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads", [(2, 1), (8, 2)], ids=["one-kv-head", "gqa4"])
+@pytest.mark.parametrize("lengths, window", [([3001], None), ([1024, 1023], None), ([2049, 70, 1500], None),
+                                             ([3001, 1600], 1500), ([3001], 1023)],
+                         ids=["len3001", "len1024-at-the-split", "three-seqs", "w1500", "w1023-whole"])
+def test_a_long_pair_split_into_partitions_is_the_same_on_any_thread_count(dtype, tol, heads, kv_heads, lengths,
+                                                                           window):
+    """A pair attending to 1,024 positions or more is cut into partitions of 512 from its first
+    attended position (the last one shorter; 1,023 stays whole), merged in order: odd lengths,
+    windows, a split pair beside whole ones. Every thread count gives the one-thread result to the
+    bit, which is the reference's within tolerance (an output nobody wrote stays NaN)."""
+    attended = [min(n, window or n) for n in lengths]
+    items = kv_heads * sum(-(-n // 512) if n >= 1024 else 1 for n in attended)
+    _same_on_any_thread_count(_inputs(len(lengths), heads, kv_heads, 64, 64, lengths, dtype, seed=9), window, tol,
+                              items)
+
+
+def test_a_split_sequence_gives_the_same_bits_alone_and_in_a_batch():
+    """The partitions depend on a sequence's own length only: its output does not change with the
+    sequences beside it (nor with how many pairs there are to share the threads)."""
+    q, k_pool, v_pool, table, lengths = _inputs(3, 4, 2, 64, 64, [2500, 40, 1100], torch.float32, seed=4)
+    with torch.no_grad():
+        batch = native_paged.paged_decode(q, k_pool, v_pool, table, lengths, threads=2)
+        for i in range(3):
+            alone = native_paged.paged_decode(q[i:i + 1], k_pool, v_pool, table[i:i + 1].contiguous(),
+                                              lengths[i:i + 1], threads=2)
+            assert torch.equal(alone[0], batch[i])
+
+
+def test_peaked_scores_merge_across_partitions():
+    """Scores spread over hundreds: a partition whose maximum lies far below another's weighs
+    (almost) nothing in the merge, as the reference's one softmax."""
+    q, k_pool, v_pool, table, lengths = _inputs(1, 2, 1, 64, 64, [2600], torch.float32, seed=6)
+    k_pool[:, :, :, :] *= 0.1
+    first = table[0, 0]
+    k_pool[first] *= 40.0  # the first partition's scores far above the rest
+    with torch.no_grad():
+        for scale in (0.05, 3.0):
+            got = native_paged.paged_decode(q * 4, k_pool, v_pool, table, lengths, scale=scale, threads=2)
+            expected = reference.paged_decode(q * 4, k_pool, v_pool, table, lengths, scale=scale)
+            assert _rel(got, expected) <= 1e-5
 
 
 def test_the_threads_are_torchs_count_and_a_small_call_keeps_one():

@@ -8,9 +8,14 @@
  *   lengths [B] int32           positions held; window > 0: only the last `window` of them
  *   out    [B, H, D]            softmax(q.k * scale) v, in q's dtype
  *
- * One pass per (sequence, key-value head) serves the group of H / HKV query heads that share it;
- * the pairs are split over `threads` OpenMP threads (torch's own pool, as gemv.c's), each pair
- * computed whole by one thread in one order, so the result does not depend on the thread count.
+ * One pass per (sequence, key-value head) serves the group of H / HKV query heads that share it.
+ * A pair attending to at least SPLIT_MIN positions is split into partitions of PART positions
+ * from the first one it attends (flash-decoding's split-K), so one long sequence of one key-value
+ * head still fills every thread; each partition's running softmax is merged into the output in
+ * partition order with the log-sum-exp rescale. The partitions depend only on the pair's length
+ * and window, never on the thread count, and each is computed whole by one thread in one order,
+ * so the result does not depend on the thread count (nor on the other sequences of the batch).
+ * The partitions are split over `threads` OpenMP threads (torch's own pool, as gemv.c's).
  * Positions are taken in tiles of at most TILE rows of one block: the tile's scores, then the
  * running (max, sum, weighted values) of kernels/online_softmax.py folded in float32, so no row
  * of scores is ever stored. Where D is a multiple of 8 the products run on 8-float vectors (the
@@ -20,11 +25,12 @@
  * bf16 rows are widened tile by tile into float scratch; the output rounds to nearest even.
  *
  * Returns 0, or -1 when a length does not fit the table (or is negative), -2 when a block id the
- * lengths reach lies outside the pool, -3 for shapes past the limits below: nothing is read
- * outside the pools either way.
+ * lengths reach lies outside the pool, -3 for shapes past the limits below (nothing is read
+ * outside the pools either way), -4 when the split's scratch cannot be allocated.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LANES 16  /* partial sums of `dot`, the path for D not a multiple of 8 */
@@ -34,6 +40,10 @@
 /* below this many products of a query with a key (positions x query heads x D, over the batch) a
  * call takes microseconds, about what waking a second thread costs: it runs on one */
 #define MIN_THREADED (1L << 14)
+/* split-K: a partition's PART positions take about as long as a few thread wake-ups, and below
+ * SPLIT_MIN positions the pair stays whole */
+#define PART 512
+#define SPLIT_MIN 1024
 
 static inline float bf16_float(uint16_t x) {
     union { uint32_t u; float f; } c = { .u = (uint32_t)x << 16 };
@@ -203,24 +213,33 @@ static void widen(const uint16_t *restrict x, float *restrict out, long n) {
     for (long i = 0; i < n; i++) out[i] = bf16_float(x[i]);
 }
 
-/* the output of key-value head h of sequence b: one pass over its positions for the group of G
- * query heads that share it, reading and writing nothing another pair writes */
-static void attend(const void *p_q, const void *p_k, const void *p_v, const int32_t *p_table, void *p_out,
-                   int bf16, long n, long M, int b, int h, int H, int HKV, int BS, int D, int window, float scale) {
+/* the partitions of a pair attending to positions [lo, n) */
+static inline long parts_of(long lo, long n) {
+    return n - lo >= SPLIT_MIN ? (n - lo + PART - 1) / PART : 1;
+}
+
+static inline long first_attended(long n, int window) {
+    return window > 0 && n > window ? n - window : 0;
+}
+
+/* the running softmax (m, l, acc) of the group of G query heads that share key-value head h of
+ * sequence b over its positions [from, to): one pass, reading nothing another item writes */
+static void attend(const void *p_q, const void *p_k, const void *p_v, const int32_t *p_table, int bf16, long from,
+                   long to, long M, int b, int h, int H, int HKV, int BS, int D, float scale, float *restrict m,
+                   float *restrict l, float *restrict acc) {
     const int G = H / HKV;
     const long row = (long)BS * D, block = (long)HKV * row;
-    const long lo = window > 0 && n > window ? n - window : 0;
-    float qs[G * D], acc[G * D], m[G], l[G];
+    float qs[G * D];
     float kt[bf16 ? TILE * D : 1], vt[bf16 ? TILE * D : 1];
     const long at = ((long)b * H + (long)h * G) * D;  /* the group's first query head */
     if (bf16) widen((const uint16_t *)p_q + at, qs, (long)G * D);
     else memcpy(qs, (const float *)p_q + at, sizeof(float) * G * D);
     for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
     memset(acc, 0, sizeof(float) * G * D);
-    for (long j = lo / BS; j < (n + BS - 1) / BS; j++) {
+    for (long j = from / BS; j < (to + BS - 1) / BS; j++) {
         const long off = (long)p_table[b * M + j] * block + (long)h * row;
-        const long first = j * BS, start = lo > first ? lo - first : 0;
-        const long end = n < first + BS ? n - first : BS;
+        const long first = j * BS, start = from > first ? from - first : 0;
+        const long end = to < first + BS ? to - first : BS;
         for (long t = start; t < end; t += TILE) {
             const int cnt = (int)(end - t < TILE ? end - t : TILE);
             const float *k, *v;
@@ -235,6 +254,10 @@ static void attend(const void *p_q, const void *p_k, const void *p_v, const int3
             fold(qs, k, v, cnt, G, D, scale, m, l, acc);
         }
     }
+}
+
+/* acc / l of the group's G query heads into the output at `at` */
+static void finish(const float *restrict l, const float *restrict acc, void *p_out, int bf16, long at, int G, int D) {
     for (int g = 0; g < G; g++) {
         const float inv = 1.0f / l[g];  /* no position attended: 0 / 0, NaN as the reference */
         for (int d = 0; d < D; d++) {
@@ -245,18 +268,57 @@ static void attend(const void *p_q, const void *p_k, const void *p_v, const int3
     }
 }
 
-/* the threads a call takes: at most `threads`, no more than there are pairs, one below
+/* the P partitions' (m, l, acc) of one pair (each [G + G + G * D] floats, in order) merged: every
+ * partition rescaled to the largest maximum, summed in partition order */
+static void merge(const float *restrict parts, long P, int G, int D, float *restrict l, float *restrict acc) {
+    const long stride = 2L * G + (long)G * D;
+    for (int g = 0; g < G; g++) {
+        float top = -INFINITY;
+        for (long p = 0; p < P; p++) top = parts[p * stride + g] > top ? parts[p * stride + g] : top;
+        float sum = 0.0f;
+        float *restrict a = acc + (long)g * D;
+        memset(a, 0, sizeof(float) * D);
+        for (long p = 0; p < P; p++) {
+            const float *part = parts + p * stride;
+            const float w = exp_neg(part[g] - top);
+            sum += part[G + g] * w;
+            const float *restrict pa = part + 2 * G + (long)g * D;
+            for (int d = 0; d < D; d++) a[d] += pa[d] * w;
+        }
+        l[g] = sum;
+    }
+}
+
+/* the pair whose partitions hold item i: the last with base[pair] <= i */
+static long owner(const long *base, long pairs, long i) {
+    long lo = 0, hi = pairs;
+    while (hi - lo > 1) {
+        const long mid = (lo + hi) / 2;
+        if (base[mid] <= i) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* the partitions a call computes (lengths already checked) */
+static long items_of(const int32_t *p_lengths, int B, int HKV, int window) {
+    long items = 0;
+    for (int b = 0; b < B; b++) items += HKV * parts_of(first_attended(p_lengths[b], window), p_lengths[b]);
+    return items;
+}
+
+/* the threads a call takes: at most `threads`, no more than there are partitions, one below
  * MIN_THREADED (lengths already checked) */
 int hcw_paged_decode_team(const int32_t *p_lengths, int B, int H, int HKV, int D, int window, int threads) {
     long work = 0;  /* positions attended over the batch */
-    for (int b = 0; b < B; b++) work += window > 0 && p_lengths[b] > window ? window : p_lengths[b];
-    const long pairs = (long)B * HKV;
+    for (int b = 0; b < B; b++) work += p_lengths[b] - first_attended(p_lengths[b], window);
+    const long items = items_of(p_lengths, B, HKV, window);
     if (work * H * D < MIN_THREADED || threads < 1) return 1;
-    return threads < pairs ? threads : (int)pairs;
+    return threads < items ? threads : (int)items;
 }
 
 /* bf16: nonzero when q, the pools and out are bf16 (else float32); threads: at most this many
- * OpenMP threads */
+ * OpenMP threads. Returns -4 when the partitions' scratch cannot be allocated. */
 int hcw_paged_decode(const void *p_q, const void *p_k, const void *p_v, const int32_t *p_table,
                      const int32_t *p_lengths, void *p_out, int bf16, long N, long M, int B, int H, int HKV,
                      int BS, int D, int window, float scale, int threads) {
@@ -269,12 +331,50 @@ int hcw_paged_decode(const void *p_q, const void *p_k, const void *p_v, const in
             if (blk < 0 || blk >= N) return -2;
         }
     }
-    const long pairs = (long)B * HKV;
+    const int G = H / HKV;
+    const long pairs = (long)B * HKV, items = items_of(p_lengths, B, HKV, window);
+    const long stride = 2L * G + (long)G * D;  /* one partition's (m, l, acc) */
     threads = hcw_paged_decode_team(p_lengths, B, H, HKV, D, window, threads);
-    /* each pair is one thread's, in one order: the result does not depend on the thread count */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-    for (long i = 0; i < pairs; i++)
-        attend(p_q, p_k, p_v, p_table, p_out, bf16, p_lengths[i / HKV], M, (int)(i / HKV), (int)(i % HKV), H, HKV,
-               BS, D, window, scale);
+    /* item i: partition i - base[pair] of its pair; a pair of one partition writes its output
+     * itself, the partitions of a split pair their (m, l, acc) at scratch + i * stride */
+    long *base = malloc(sizeof(long) * (pairs + 1));
+    float *scratch = items > pairs ? malloc(sizeof(float) * items * stride) : NULL;
+    if (!base || (items > pairs && !scratch)) {
+        free(base), free(scratch);
+        return -4;
+    }
+    base[0] = 0;
+    for (long i = 0; i < pairs; i++) {
+        const long n = p_lengths[i / HKV];
+        base[i + 1] = base[i] + parts_of(first_attended(n, window), n);
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float m[G], l[G], acc[G * D];
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < items; i++) {
+            const long pair = owner(base, pairs, i);
+            const int b = (int)(pair / HKV), h = (int)(pair % HKV);
+            const long n = p_lengths[b], lo = first_attended(n, window), P = base[pair + 1] - base[pair];
+            const long from = lo + (i - base[pair]) * PART, to = P == 1 || from + PART > n ? n : from + PART;
+            if (P == 1) {
+                attend(p_q, p_k, p_v, p_table, bf16, from, to, M, b, h, H, HKV, BS, D, scale, m, l, acc);
+                finish(l, acc, p_out, bf16, ((long)b * H + (long)h * G) * D, G, D);
+            } else {
+                float *part = scratch + i * stride;
+                attend(p_q, p_k, p_v, p_table, bf16, from, to, M, b, h, H, HKV, BS, D, scale, part, part + G,
+                       part + 2 * G);
+            }
+        }
+#pragma omp for schedule(static)
+        for (long pair = 0; pair < pairs; pair++) {
+            const long P = base[pair + 1] - base[pair];
+            if (P == 1) continue;
+            merge(scratch + base[pair] * stride, P, G, D, l, acc);
+            const int b = (int)(pair / HKV), h = (int)(pair % HKV);
+            finish(l, acc, p_out, bf16, ((long)b * H + (long)h * G) * D, G, D);
+        }
+    }
+    free(base), free(scratch);
     return 0;
 }

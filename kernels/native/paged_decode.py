@@ -3,8 +3,10 @@ sequence's keys and values in place through its block table, where the torch pat
 into a dense copy first. Its reference is kernels/paged_attention/reference.py's `paged_decode`
 (same arguments, same result up to float32 summation order; tests/test_native_paged.py compares
 them), which every input the kernel does not take stays on. The (sequence, key-value head) pairs are split
-over torch's intra-op threads (its own OpenMP pool, as gemv's rows), each pair whole on one thread,
-so the result is the same on any number of threads.
+over torch's intra-op threads (its own OpenMP pool, as gemv's rows); a pair attending to 1,024
+positions or more is first cut into partitions of 512 (split-K), so one long sequence with one
+key-value head still takes every thread. Each partition is one thread's whole and the partitions
+merge in a fixed order, so the result is the same on any number of threads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ MAX_D = 512  # paged_decode.c's limits: D, and a key-value head's group of queri
 MAX_GROUP_D = 16384
 _ERRORS = {-1: "a length is negative or needs more blocks than the table has",
            -2: "a block the lengths reach is not in the pool",
-           -3: "shapes past the kernel's limits"}
+           -3: "shapes past the kernel's limits",
+           -4: "no memory for the partitions' scratch"}
 
 
 def kernel():
@@ -35,7 +38,8 @@ def kernel():
 def team(q: torch.Tensor, k_pool: torch.Tensor, lengths: torch.Tensor, window: int | None = None,
          threads: int | None = None) -> int:
     """The threads `paged_decode` takes for these inputs: at most `threads` (torch's intra-op count
-    by default) and the number of (sequence, key-value head) pairs, one for a call too small to share."""
+    by default) and the number of partitions (one per (sequence, key-value head) pair, more for a
+    long one), one for a call too small to share."""
     b, h, d = q.shape
     fn = native.function("paged_decode", "hcw_paged_decode_team", _TEAM_ARGS, ctypes.c_int)
     return fn(lengths.data_ptr(), b, h, k_pool.shape[1], d, window or 0, threads or torch.get_num_threads())
