@@ -128,24 +128,24 @@ class Engine:
             raise PromptError(f"the prompt has {len(ids)} tokens, past the context limit of {self.context_limit}")
 
     def prefill(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
-                on_stop: Callable[[ModelState, int], None] | None = None,
+                on_stops: Callable[[ModelState, list[int]], None] | None = None,
                 stops: Callable[[int, int], list[int]] | None = None,
                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run `ids` through the model in chunks, advancing `state`; return the last token's logits.
         With `stops` (the positions in (lo, hi] a chunk crosses where the caller wants the state),
-        `on_stop(state, position)` is called after the chunk for each: a state that keeps
+        `on_stops(state, positions)` is called after the chunk with those it crossed: a state that keeps
         snapshots inside a forward pass (ModelState.snapshots_inside) keeps them there, so the
         chunks are the ones a prefill without stops runs; any other ends a chunk at each stop.
         `should_stop` is asked before every chunk after the first: True raises Cancelled (the
         state then covers the chunks run so far)."""
         logits = None
-        for logits in self.prefill_steps(ids, state, chunk_size, on_stop, stops, should_stop):
+        for logits in self.prefill_steps(ids, state, chunk_size, on_stops, stops, should_stop):
             pass
         return logits
 
     @torch.inference_mode()
     def prefill_steps(self, ids: Sequence[int], state: ModelState, chunk_size: int | None = None,
-                      on_stop: Callable[[ModelState, int], None] | None = None,
+                      on_stops: Callable[[ModelState, list[int]], None] | None = None,
                       stops: Callable[[int, int], list[int]] | None = None,
                       should_stop: Callable[[], bool] | None = None) -> Iterator[torch.Tensor]:
         """`prefill` a chunk at a time: yields the logits after each chunk's last token [vocab] (the
@@ -171,8 +171,7 @@ class Engine:
                 state.mark([p for p in at if p < end])
             logits = self.model(tokens[lo:hi], state, last_only=True)
             if at:
-                for p in at:
-                    on_stop(state, p)
+                on_stops(state, at)
                 state.mark()  # the kept snapshots are in the cache now
             lo = hi
             yield logits[0, -1]
@@ -294,8 +293,8 @@ class Engine:
         if state.seq_len < recover_to:
             # the recovery work, timed on its own (its chunks only, not what runs between them)
             spent = 0.0
-            chunks = self.prefill_steps(fed[state.seq_len:recover_to], state, on_stop=started.capture, stops=stops,
-                                        should_stop=should_stop)
+            chunks = self.prefill_steps(fed[state.seq_len:recover_to], state, on_stops=started.capture_stops,
+                                        stops=stops, should_stop=should_stop)
             while True:
                 t0 = time.perf_counter()
                 try:
@@ -305,8 +304,8 @@ class Engine:
                 spent += time.perf_counter() - t0
                 yield
             self.cache.metrics.record_recovery(plan, 1000 * spent)
-        for started.logits in self.prefill_steps(fed[state.seq_len:], state, on_stop=started.capture, stops=stops,
-                                                 should_stop=should_stop):
+        for started.logits in self.prefill_steps(fed[state.seq_len:], state, on_stops=started.capture_stops,
+                                                 stops=stops, should_stop=should_stop):
             yield
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -379,6 +378,10 @@ class Started:
     def capture(self, state: ModelState, at: int | None = None) -> None:
         if self.writer is not None:
             self.writer.capture(state, self.fed, at)
+
+    def capture_stops(self, state: ModelState, stops: list[int]) -> None:
+        if self.writer is not None:
+            self.writer.capture_stops(state, self.fed, stops)
 
     def finish(self) -> None:
         if self.writer is not None:

@@ -4,6 +4,8 @@ chunks it would run without a cache (DeepSeek-V4-kind layers: tests/test_v4_inne
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -117,3 +119,35 @@ def test_the_conv_state_kept_inside_is_the_last_inputs_before_the_boundary(monke
         assert torch.equal(conv, inputs[:, k:k + layer.kernel - 1].transpose(1, 2))
         assert (conv - states[end].conv).abs().max().item() <= 1e-6
         assert (recurrent - states[end].recurrent).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("seg", [16, 24, 64])
+def test_a_run_of_segments_exports_the_pieces_each_segment_exports_alone(seg):
+    """The writer exports all the boundaries a forward pass crossed in one call per layer
+    (GDNState.export_segments): the same decay statistics to the bit, contiguous, the same
+    snapshots and sketches where asked, and the same statistics left to export after."""
+    import copy
+
+    from engine.cache.gdn_state import GDNState
+
+    gen = torch.Generator().manual_seed(seg)
+    state = GDNState.zeros(2, 12, 4, 3, 8, 8, torch.float32, "cpu")
+    state.tracking = True
+    n = 4 * seg
+    g = -torch.rand(2, n + 5, 3, generator=gen)
+    x = torch.rand(2, n + 5, 3, generator=gen)
+    state.record(0, g, x)
+    state.recurrent.normal_(generator=gen)
+    alone, run = copy.deepcopy(state), copy.deepcopy(state)
+    bounds = [(j * seg, (j + 1) * seg) for j in range(4)]
+    snaps, sketches = [False, True, False, True], [False, False, False, True]
+    want = [alone.export(lo, hi, s, k) for (lo, hi), s, k in zip(bounds, snaps, sketches)]
+    got = run.export_segments(bounds, snaps, sketches)
+    assert [list(p) for p in got] == [list(p) for p in want]
+    for w, h in zip(want, got):
+        assert torch.equal(h[Kind.DECAY].data, w[Kind.DECAY].data) and h[Kind.DECAY].data.is_contiguous()
+        assert h[Kind.DECAY].data.shape == (2, seg // math.gcd(16, seg), 3, 2)
+        for kind in set(w) - {Kind.DECAY}:
+            a, b = w[kind].data, h[kind].data
+            assert all(torch.equal(u, v) for u, v in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
+    assert (run.stats_start, run.stats_end) == (alone.stats_start, alone.stats_end) == (n, n + 5)

@@ -196,8 +196,11 @@ class GDNState:
             seg = seg.reshape(seg.shape[0], n // stride, stride, *seg.shape[2:])
             out[Kind.DECAY] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1))
             self._forget_stats_before(hi)
-        # at hi: kept inside the last pass (tensors nothing else holds or writes: no copy needed),
-        # or the state's own (copied: the state goes on)
+        return self._snapshots(out, hi, snapshots, sketches)
+
+    def _snapshots(self, out: dict[str, Piece], hi: int, snapshots: bool, sketches: bool) -> dict[str, Piece]:
+        """`out` with the snapshots at hi: kept inside the last pass (tensors nothing else holds or
+        writes: no copy needed), or the state's own (copied: the state goes on)."""
         kept = self.kept.get(hi)
         if snapshots:
             recurrent, conv = kept if kept is not None else (self.recurrent.clone(), self.conv.clone())
@@ -206,6 +209,24 @@ class GDNState:
         if sketches:
             out[Kind.SKETCH] = Piece(False, sketch(kept[0] if kept is not None else self.recurrent))
         return out
+
+    def export_segments(self, bounds: list[tuple[int, int]], snapshots: list[bool],
+                        sketches: list[bool]) -> list[dict[str, Piece]]:
+        """export() for consecutive segments of one length (`bounds`, ascending): the same pieces,
+        with the decay statistics of the whole run summed in one pass instead of per segment."""
+        lengths = {hi - lo for lo, hi in bounds}
+        lo, hi = bounds[0][0], bounds[-1][1]
+        if len(bounds) == 1 or len(lengths) != 1 or not (self.stats_start <= lo and hi <= self.stats_end):
+            return [self.export(a, z, s, k) for (a, z), s, k in zip(bounds, snapshots, sketches)]
+        n = lengths.pop()
+        stride = math.gcd(STAT_STRIDE, n) if n else 1
+        run = self.stats[:, lo - self.stats_start:hi - self.stats_start]
+        run = run.reshape(run.shape[0], len(bounds), n // stride, stride, *run.shape[2:])
+        # [segments, B, n // stride, Hv, 2], each segment's rows contiguous as export() makes them
+        decay = torch.stack([run[..., 0].sum(3), run[:, :, :, -1, :, 1]], dim=-1).transpose(0, 1).contiguous()
+        self._forget_stats_before(hi)
+        return [self._snapshots({Kind.DECAY: Piece(True, d)}, z, s, k)
+                for d, (_, z), s, k in zip(decay.unbind(0), bounds, snapshots, sketches)]
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:
         state = GDNState(conv=pieces[Kind.CONV].clone(), recurrent=pieces[Kind.RECURRENT].clone())

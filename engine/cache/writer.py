@@ -6,13 +6,12 @@ long prompt, at its last boundaries, and drops the rest it wrote."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.cache.config import Reuse
 from engine.cache.gdn_state import GDNState
 from engine.cache.prefix_index import ROOT
-from engine.cache.states import Kind, ModelState
+from engine.cache.states import Kind, ModelState, Piece
 from engine.cache.validation import ReusePlan
 
 if TYPE_CHECKING:
@@ -74,34 +73,49 @@ class RequestWriter:
         """Register every whole segment up to `at` (default state.seq_len; a multiple of the block
         size, and a position the last forward pass kept snapshots at when below seq_len): each
         with its per-segment pieces, the last one also with the state's snapshots there."""
-        if self.cache.config.reuse == Reuse.OFF or self.next_index < 0:
+        self.capture_stops(state, tokens, [state.seq_len if at is None else at])
+
+    def capture_stops(self, state: ModelState, tokens: Sequence[int], stops: Sequence[int]) -> None:
+        """Register every whole segment up to the last of `stops` (ascending multiples of the block
+        size: the state's seq_len, or positions the last forward pass kept snapshots at), each with
+        its per-segment pieces and, at each stop, the state's snapshots there. One call for all
+        the boundaries a forward pass crossed: each layer exports the run of segments at once
+        (GDN's decay statistics in a few tensor ops, not a few per segment)."""
+        if self.cache.config.reuse == Reuse.OFF or self.next_index < 0 or not stops:
             return
         b = self.cache.block_size
-        hi = state.seq_len if at is None else at
-        last = hi // b - 1
-        while 0 <= self.next_index <= last:
-            j = self.next_index
+        first, last = self.next_index, stops[-1] // b - 1
+        keys = []
+        for j in range(first, last + 1):
             node = self.cache.index.insert(self.parent, j, tokens[j * b:(j + 1) * b])
             if node is None:  # collision: the chain stops here for this request
                 self.next_index = -1
-                return
-            self.next_index += 1
+                break
+            self.next_index = j + 1
             self.parent = node.key
             if (j + 1) * b == self.prompt_end:
                 self.prompt_end_key = node.key
-            before = self.cache.table.get(node.key)
+            keys.append(node.key)
+        if not keys:
+            return
+        bounds = [(j * b, (j + 1) * b) for j in range(first, first + len(keys))]
+        at = {p // b - 1 for p in stops}
+        snaps = [j in at for j in range(first, first + len(keys))]
+        sketches = [s and bool(self.sketch_every) and (j + 1) % self.sketch_every == 0
+                    for j, s in zip(range(first, first + len(keys)), snaps)]
+        exported = [_export(layer, bounds, snaps, sketches) for layer in state.layers]
+        for n, (key, (lo, hi)) in enumerate(zip(keys, bounds)):
+            j = lo // b
+            before = self.cache.table.get(key)
             had = set(before.pieces) if before is not None else set()
-            sketch_here = {"sketches": True} if j == last and self.sketch_every and (j + 1) % self.sketch_every == 0 \
-                else {}
-            pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
-                      for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=j == last,
-                                                      **(sketch_here if isinstance(layer, GDNState) else {})).items()}
-            self.cache.table.put(node.key, j, self.cache.layout, pieces, exact=self.exact)
+            pieces = {(i, kind): Piece(piece.per_segment, piece.data, hi)
+                      for i, layer_pieces in enumerate(exported) for kind, piece in layer_pieces[n].items()}
+            self.cache.table.put(key, j, self.cache.layout, pieces, exact=self.exact)
             added = frozenset(k for k, p in pieces.items() if not p.per_segment and k not in had)
             if added:
-                self.captured.append((node.key, j, added))
+                self.captured.append((key, j, added))
                 if self.first is None:
-                    self.first = node.key
+                    self.first = key
 
     def capture_replayed(self, state: ModelState) -> None:
         """After an exact replay over the usable prefix (state.seq_len, a boundary): that boundary's
@@ -110,7 +124,7 @@ class RequestWriter:
             return
         b = self.cache.block_size
         j = state.seq_len // b - 1
-        pieces = {(i, kind): replace(piece, position=(j + 1) * b) for i, layer in enumerate(state.layers)
+        pieces = {(i, kind): Piece(piece.per_segment, piece.data, (j + 1) * b) for i, layer in enumerate(state.layers)
                   for kind, piece in layer.export(j * b, (j + 1) * b, snapshots=True).items() if not piece.per_segment}
         self.cache.table.put(self.parent, j, self.cache.layout, pieces, exact=True)
         self.replayed = self.parent
@@ -147,3 +161,10 @@ class RequestWriter:
                 self.cache.table.drop(key, lambda layer, kind, piece: kind == Kind.SKETCH and layer in exact)
         # the end of every turn: what was answered is on the lower tier before the next one
         self.cache.save()
+
+
+def _export(layer, bounds: list[tuple[int, int]], snapshots: list[bool], sketches: list[bool]) -> list[dict]:
+    """A layer's pieces for consecutive segments `bounds`, with its snapshots where `snapshots`."""
+    if isinstance(layer, GDNState):
+        return layer.export_segments(bounds, snapshots, sketches)
+    return [layer.export(lo, hi, snapshots=s) for (lo, hi), s in zip(bounds, snapshots)]
