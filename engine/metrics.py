@@ -28,6 +28,7 @@ class CacheMetrics:
     shadow_checks: int = 0
     shadow_mismatches: int = 0
     shadow_max_diff: float = 0.0
+    bytes_copied: int = 0  # by assembly into hits' states (a paged layer's mapped blocks: none)
 
     def record_recovery(self, plan, ms: float) -> None:
         for obj in plan.objects:

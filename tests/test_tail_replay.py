@@ -387,6 +387,7 @@ def test_bench_replay_measures_every_policy_on_the_same_tasks(tmp_path):
         assert row["mean_kl"] <= 1e-6 and row["state_error"] <= 1e-4
     # with checkpoints it resumes at one; without, it replays the GDN layers over the whole match
     assert kept["reused_tokens"] > 0 and kept["replayed_tokens"] == 0
+    assert kept["bytes_copied"] > 0  # its GDN snapshots at least (tests/test_hit_copies.py: the exact count)
     assert exact["reused_tokens"] > 0 and exact["replayed_tokens"] == exact["reused_tokens"]
     assert not fixed["all_exact"] and 0 < fixed["replayed_tokens"] <= 0.2 * fixed["reused_tokens"]
     # every GDN layer's error is reported; a replay from a sketch lands closer than one from zero

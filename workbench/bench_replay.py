@@ -156,9 +156,11 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                     warmed[setting] = engine, engine.cache.mark(), _gdn_bytes(engine.cache, asked)
                 engine, keep, gdn_bytes = warmed[setting]
                 engine.cache.set_policy(b.reuse, b.budget if b.reuse == Reuse.APPROXIMATE else 0.05, b.tolerance)
+                copied = engine.cache.metrics.bytes_copied
                 t0 = time.perf_counter()
                 run = engine.start(asked)
                 ttft = 1000 * (time.perf_counter() - t0)
+                copied = engine.cache.metrics.bytes_copied - copied
                 run.finish()
                 engine.cache.rollback(keep)
                 logits = _continue(m, run.logits, run.state, follow)
@@ -172,7 +174,8 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                     "kl": float(kl.mean()), "state_error": max(errors.values(), default=0.0), "layer_errors": errors,
                     "exact": run.plan.exact, "reused": run.plan.usable_tokens,
                     "replayed": run.plan.replay_tokens, "bound": run.plan.replay_bound,
-                    "seeded": run.plan.replay_seed is not None, "gdn_bytes_per_1k": gdn_bytes})
+                    "seeded": run.plan.replay_seed is not None, "gdn_bytes_per_1k": gdn_bytes,
+                    "bytes_copied": copied})
             counter.done()
         full_acc = sum(f["correct"] for f in full) / len(full)
         full_ttft = statistics.median(f["ttft_ms"] for f in full)
@@ -192,7 +195,8 @@ def run_bench(model: str, lengths: list[int], budgets: list[Budget], tasks: int 
                    "reused_tokens": statistics.mean(r["reused"] for r in runs),
                    "max_bound": max(r["bound"] for r in runs), "all_exact": all(r["exact"] for r in runs),
                    "seeded": sum(r["seeded"] for r in runs),
-                   "gdn_bytes_per_1k": statistics.mean(r["gdn_bytes_per_1k"] for r in runs)}
+                   "gdn_bytes_per_1k": statistics.mean(r["gdn_bytes_per_1k"] for r in runs),
+                   "bytes_copied": statistics.mean(r["bytes_copied"] for r in runs)}
             rows.append(row)
             if progress is not None:
                 progress(_line(row))
@@ -219,7 +223,7 @@ def _line(row: dict) -> str:
             f"kept {q}) top-1 {row['top1_agreement']:.1%} KL {row['mean_kl']:.1e} state err {row['state_error']:.1e} "
             f"TTFT {row['ttft_ms']:.0f} ms "
             f"({row['ttft_speedup']:.1f}x) replayed {row['replayed_tokens']:.0f} bound {row['max_bound']:.1e}"
-            f"{' exact' if row['all_exact'] else ''}")
+            f"{' exact' if row['all_exact'] else ''} copied {row['bytes_copied'] / 2**20:.2f} MiB")
 
 
 def markdown(report: dict) -> str:
@@ -230,18 +234,20 @@ def markdown(report: dict) -> str:
              "layer), task accuracy (the needle's value, greedy) and its retention against the full prefill. "
              "`+ sketch/N`: the same policy with int8 sketches of the GDN states kept every N segments of the "
              "context, which a replay may restart from. GDN state kept: the bytes of GDN checkpoints and sketches "
-             "inside the context per 1K of its tokens (the KV beside them is the same for every policy). "
+             "inside the context per 1K of its tokens (the KV beside them is the same for every policy). Copied per "
+             "hit: the bytes assembling the hit's state copied (a paged layout maps cached KV blocks instead). "
              + ("" if report["replayable"] else "**This model cannot be tail-replayed (no GDN layers, or a state "
                 "kind a replay cannot rebuild): every approximate budget falls back to exact.** "),
              "", "| prefix | policy | top-1 agreement | mean KL | state error | accuracy | full prefill | retained | "
-             "TTFT speed-up | replayed tokens | max bound | exact | GDN state kept / 1K tokens |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "TTFT speed-up | replayed tokens | max bound | exact | GDN state kept / 1K tokens | copied per hit |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in report["rows"]:
         q = "-" if r["quality_retained"] is None else f"{r['quality_retained']:.0%}"
         lines.append(f"| {r['prefix_tokens']} | {r['policy']} | {r['top1_agreement']:.1%} | {r['mean_kl']:.1e} | "
                      f"{r['state_error']:.1e} | {r['accuracy']:.0%} | {r['full_prefill_accuracy']:.0%} | {q} | "
                      f"{r['ttft_speedup']:.1f}× | {r['replayed_tokens']:.0f} | {r['max_bound']:.1e} | "
-                     f"{'yes' if r['all_exact'] else 'no'} | {r['gdn_bytes_per_1k'] / 1024:.1f} KiB |")
+                     f"{'yes' if r['all_exact'] else 'no'} | {r['gdn_bytes_per_1k'] / 1024:.1f} KiB | "
+                     f"{r['bytes_copied'] / 2**20:.2f} MiB |")
     return "\n".join(lines)
 
 

@@ -114,14 +114,20 @@ class Assembler:
         pieces, why = self._pieces(i, records, replayed, device)
         if pieces is None:
             return None, why
+        pool = getattr(template, "pool", None)  # a paged layer's blocks: mapped, or copied in and counted
+        copied = pool.copied if pool is not None else 0
         try:
-            return (template.for_replay(plan.replay_from, plan.usable_tokens, pieces) if replayed
-                    else template.assemble(plan.usable_tokens, pieces)), ""
+            layer = (template.for_replay(plan.replay_from, plan.usable_tokens, pieces) if replayed
+                     else template.assemble(plan.usable_tokens, pieces))
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             # pieces that passed each check but do not fit together: drop the boundary, re-plan
             self.table.drop(records[-1].key, lambda layer, k, p, li=i: layer == li and not p.per_segment)
             self.metrics.validation_failures["layer 4"] += 1
             return None, f"layer 4: layer {i} pieces do not assemble: {e}"
+        # what the hit copied: every byte of a layer assembled into fresh tensors, a paged one's
+        # copied blocks only
+        self.metrics.bytes_copied += pool.copied - copied if pool is not None else layer.nbytes()
+        return layer, ""
 
     def _pieces(self, i: int, records: list[SegmentRecord], replayed: bool, device) -> tuple[dict | None, str]:
         """Layer i's pieces by kind (a per-segment kind's as a list, in segment order), each
