@@ -63,6 +63,9 @@ def _pack_identity(key: str, kind: str, members: str) -> bytes:
 
 
 PACK_CODEC = "hcwp1+zstd"
+# a layout fingerprint of this many bytes begins with the model's identity (store/ imports nothing of
+# engine/: engine/cache/prefix_cache.py's layout_fingerprint, IDENTITY_BYTES)
+LAYOUT_BYTES, IDENTITY_BYTES = 32, 16
 
 
 @functools.lru_cache(maxsize=256)
@@ -182,9 +185,12 @@ class DiskTier:
         # would let the row become visible before its blobs
         with conn:
             # (as bytes: damaged text that is not UTF-8 must not fail the save that replaces it)
-            old = conn.execute("SELECT CAST(presence AS BLOB) FROM segments WHERE key = ?", [key]).fetchone()
+            old = conn.execute("SELECT CAST(presence AS BLOB), layout FROM segments WHERE key = ?", [key]).fetchone()
             presence = _presence(old[0]) if old else {}
-            if presence is None:  # a damaged row is replaced whole, or it would fail every save and load
+            # a damaged row is replaced whole, or it would fail every save and load; so is one of
+            # another layout (the same model's segment under another weights format): none of its
+            # pieces belong with this save's
+            if presence is None or (old and old[1] != layout.hex()):
                 conn.execute("DELETE FROM blobs WHERE segment = ?", [key])
                 presence = {}
             kinds = sorted({kind for kind, _ in members})
@@ -232,12 +238,20 @@ class DiskTier:
         return out
 
     def segments(self) -> list[dict]:
-        """Rows of this layout, parents before children. Each value is read with its storage class,
-        so a damaged row's text that is not UTF-8 comes back as bytes (for the cache to name as
-        damage) instead of an error that fails every row."""
-        cols = ("key", "parent", "idx", "tokens")
+        """Rows of this layout, parents before children, each with its key, parent, idx, tokens and
+        layout. A layout of 32 bytes is the model's identity and its weights' format (the cache's
+        `layout_fingerprint`): rows of the same identity under another format are listed too, for
+        the cache to refuse by name (`load` never delivers them). Each value is read with its
+        storage class, so a damaged row's text that is not UTF-8 comes back as bytes (for the
+        cache to name as damage) instead of an error that fails every row."""
+        cols = ("key", "parent", "idx", "tokens", "layout")
         read = ", ".join(f"typeof({c}), CAST({c} AS BLOB)" for c in cols)
-        rows = self.db.execute(f"SELECT {read} FROM segments WHERE layout = ? ORDER BY idx", [self.layout])
+        if len(self.layout) == 2 * LAYOUT_BYTES:
+            # GLOB with a constant prefix reads the layout index
+            rows = self.db.execute(f"SELECT {read} FROM segments WHERE layout GLOB ? AND length(layout) = ? "
+                                   "ORDER BY idx", [self.layout[:2 * IDENTITY_BYTES] + "*", 2 * LAYOUT_BYTES])
+        else:
+            rows = self.db.execute(f"SELECT {read} FROM segments WHERE layout = ? ORDER BY idx", [self.layout])
         return [{c: _value(row[2 * i], row[2 * i + 1]) for i, c in enumerate(cols)} for row in rows.fetchall()]
 
     def load(self, key: bytes, deadline: float | None = None) -> tuple[dict | None, Miss | None]:

@@ -119,7 +119,7 @@ class WriteBehind:
         with self._cond:
             known = {r["key"] for r in rows}
             queued = list(self._pending.values()) + ([self._writing] if self._writing is not None else [])
-            rows += [{"key": a[0].hex(), "parent": a[1].hex(), "idx": a[2], "tokens": a[3]}
+            rows += [{"key": a[0].hex(), "parent": a[1].hex(), "idx": a[2], "tokens": a[3], "layout": a[4].hex()}
                      for a in queued if a[0].hex() not in known]
         # a damaged row's idx may be NULL, text or a blob: after the others, in the order read (the
         # cache names it as damage; sorting it with the integers would raise)

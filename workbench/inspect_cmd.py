@@ -4,7 +4,8 @@ with --session, one conversation: its branches and its message tree.
 --verify names every finding, one line each, in what the chat can meet: segment rows that do not
 parse (tokens a whole block of int64 ids, hex keys, a non-negative index, JSON presence), chains
 that are not whole (each segment's parent is the segment before it, and its key recomputes from
-parent, layout and tokens as engine/cache/prefix_index.py's `segment_hash` does), blobs that do not
+parent, the layout's model identity and tokens as engine/cache/prefix_index.py's `segment_hash`
+does), blobs that do not
 verify (`DiskTier.load`), conversation trees (`Conversations.check`), `PRAGMA integrity_check` and
 `foreign_key_check`. A file that SQLite cannot read is one error line, never a traceback."""
 
@@ -24,7 +25,7 @@ import xxhash
 
 from store.conversations import ConversationDamaged, Conversations, model_label, walk
 from store.db import default_home, open_db
-from store.tier import DiskTier
+from store.tier import IDENTITY_BYTES, DiskTier
 
 # a first segment's parent (engine/cache/prefix_index.py: ROOT)
 ROOT = "00" * 16
@@ -244,7 +245,9 @@ def _segment_findings(db) -> list[str]:
         if isinstance(tokens, bytes):
             lengths[layout][len(tokens)] += 1
     block = {layout: counts.most_common(1)[0][0] for layout, counts in lengths.items()}
-    position = {key: (idx, layout) for _, key, _, idx, layout, _, _ in rows}
+    # keys chain the model's identity, a layout's first 16 bytes (engine/cache/prefix_cache.py's
+    # layout_identity): a chain may pass from one weights format's rows to another's
+    position = {key: (idx, _identity(layout)) for _, key, _, idx, layout, _, _ in rows}
     findings = []
     for rowid, key, parent, idx, layout, tokens, presence in rows:
         why = []
@@ -273,13 +276,17 @@ def _segment_findings(db) -> list[str]:
                 why.append(f"a first segment's parent is {parent}, not the root")
             elif idx > 0 and parent not in position:
                 why.append(f"parent {parent} is missing: the chain before segment {idx} is broken")
-            elif idx > 0 and position[parent] != (idx - 1, layout):
+            elif idx > 0 and position[parent] != (idx - 1, _identity(layout)):
                 why.append(f"parent {parent} is not segment {idx - 1} of its layout")
-            if xxhash.xxh3_128_hexdigest(bytes.fromhex(parent) + bytes.fromhex(layout) + tokens) != key:
+            if xxhash.xxh3_128_hexdigest(bytes.fromhex(parent) + bytes.fromhex(_identity(layout)) + tokens) != key:
                 why.append("key does not recompute from its parent, layout and tokens")
         name = f"segment {key}" if isinstance(key, str) else f"segment row {rowid}"
         findings.extend(f"{name}: {w}" for w in why)
     return findings
+
+
+def _identity(layout):
+    return layout[:2 * IDENTITY_BYTES] if isinstance(layout, str) else layout
 
 
 def _is_hex(value, length: int | None = None) -> bool:

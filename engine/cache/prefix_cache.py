@@ -42,6 +42,7 @@ from engine.cache.states import Kind, ModelState, Piece
 from engine.cache.validation import OPTIONAL_KINDS, Requirement, ReusePlan, Validator
 from engine.cache.writer import RequestWriter
 from engine.events import CacheLookup
+from engine.model.int8 import weights_format
 from engine.model.weights_digest import tensors_digest
 from engine.metrics import CacheMetrics
 
@@ -49,21 +50,39 @@ READ_AHEAD = 32  # segments a fetch asks the lower tier for at once (one query e
 LAYOUT_VERSION = 2  # bump when a state piece's layout changes (2: GDN decay statistics)
 
 
+IDENTITY_BYTES = 16  # a layout fingerprint's first part: the model's identity
+
+
 def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
-    """Model + layout identity: config, dtype, block size, layout version and a digest of every
-    byte of the weights: the files' for a loaded model (`load_model` sets `weights_digest`,
-    cached per file), the tensors' for one built in memory."""
+    """Model + layout identity, 32 bytes in two parts:
+
+        identity (16)  config, block size, layout version, arithmetic, and a digest of every byte
+                       of the weights: the files' for a loaded model (`load_model` sets
+                       `weights_digest`, cached per file), the tensors' for one built in memory
+        format (16)    what the loader made of them in memory: the dtype and every tensor's name,
+                       dtype and shape (int8 weights are int8 tensors and their scales)
+
+    Segment keys chain the identity only (`layout_identity`), so the segments a lower tier holds
+    of the same model under another weights format are still found, a logical hit, and validation
+    layer 2 refuses them with that reason, instead of a miss that says nothing."""
     mc = model.config
-    desc = {"layout_version": LAYOUT_VERSION, "block_size": cfg.block_size, "dtype": str(model.dtype),
+    desc = {"layout_version": LAYOUT_VERSION, "block_size": cfg.block_size,
             "config": {k: v for k, v in asdict(mc).items() if k != "extra"}}
-    if cfg.deterministic:  # only then: the fingerprints of existing files stay as they were
+    if cfg.deterministic:
         desc["arithmetic"] = "one token a step"
-    h = hashlib.blake2b(json.dumps(desc, sort_keys=True, default=str).encode(), digest_size=16)
+    identity = hashlib.blake2b(json.dumps(desc, sort_keys=True, default=str).encode(), digest_size=IDENTITY_BYTES)
     weights = getattr(model, "weights_digest", None)
-    h.update(b"files:" + weights if weights is not None else b"tensors:" + tensors_digest(model))
+    identity.update(b"files:" + weights if weights is not None else b"tensors:" + tensors_digest(model))
     # and what the loader made of the files: a loader change that lays them out anew is another layout
-    h.update(json.dumps([[k, str(v.dtype), list(v.shape)] for k, v in sorted(model.state_dict().items())]).encode())
-    return h.digest()
+    tensors = [[k, str(v.dtype), list(v.shape)] for k, v in sorted(model.state_dict().items())]
+    fmt = hashlib.blake2b(json.dumps([str(model.dtype), tensors]).encode(), digest_size=16)
+    return identity.digest() + fmt.digest()
+
+
+def layout_identity(layout: bytes) -> bytes:
+    """The model's identity in a layout fingerprint (what segment keys chain); a fingerprint of 16
+    bytes (made before the format was a part of its own) is all identity."""
+    return layout[:IDENTITY_BYTES]
 
 
 def _parse_row(row: dict, block_size: int) -> tuple[bytes, bytes, int, list[int]] | str:
@@ -135,7 +154,10 @@ class PrefixCache:
         kinds = {type(s) for s in self.template.layers} & {KVState, PagedKVState}
         self.kv_layout = None if not kinds else "paged" if PagedKVState in kinds else "dense"
         self.layout = layout_fingerprint(model, self.config)
-        self.index = PrefixIndex(self.config.block_size, self.layout)
+        self.index = PrefixIndex(self.config.block_size, layout_identity(self.layout))
+        # segments the lower tier holds only under another layout of this model (another weights
+        # format): key -> what differs; matched, then refused at validation layer 2, never fetched
+        self.foreign: dict[bytes, str] = {}
         self.table = StateTable(self.config.budget_bytes, self.config.host_budget_bytes,
                                 dict(self.config.group_budgets), group_of)
         self.table.on_evict = self._evicted
@@ -183,6 +205,7 @@ class PrefixCache:
                                   {k: (p.per_segment, p.data, p.position) for k, p in rec.pieces.items()})
         if ok:
             self.persisted[rec.key] = rec.version
+            self.foreign.pop(rec.key, None)  # the lower tier's row is this layout's now
         else:
             self.metrics.lower_failures["save: " + why.kind] += 1
         return ok
@@ -192,9 +215,10 @@ class PrefixCache:
         that does not parse, or whose key is not its content's, is damaged: skipped, counted and
         named in `lower_damage`; its descendants (and any row whose parent the tier lacks) can
         then never be reached, so they are skipped too: every one of them is a miss, recomputed,
-        and the rest of the file is used as before."""
+        and the rest of the file is used as before. A row of this model under another layout (a
+        tier lists those too, with their `layout`) is matchable and `foreign`."""
         self.lower_damage: list[str] = []
-        unreachable = 0
+        unreachable, own = 0, self.layout.hex()
         for row in self.lower.segments():
             parsed = _parse_row(row, self.config.block_size)
             if isinstance(parsed, str):
@@ -205,10 +229,13 @@ class PrefixCache:
             if (idx == 0) != (parent == ROOT) or (idx > 0 and (above is None or above.index != idx - 1)):
                 unreachable += 1  # under a damaged or missing segment, or at the wrong depth
                 continue
-            if self.index.hash_fn(parent, self.layout, token_bytes(tokens)) != key:
+            if self.index.hash_fn(parent, self.index.fingerprint, token_bytes(tokens)) != key:
                 self.lower_damage.append(f"segment {key.hex()}: its key is not the hash of its parent and tokens")
                 continue
             self.index.insert(parent, idx, tokens)
+            if row.get("layout", own) != own:
+                self.foreign[key] = (f"this model's, with its weights in another dtype or format (now "
+                                     f"{weights_format(self.model)}); recomputed")
         if self.lower_damage:
             self.metrics.lower_failures["damaged row"] += len(self.lower_damage)
         if unreachable:
@@ -229,6 +256,8 @@ class PrefixCache:
         for i, node in enumerate(segments):
             if not missing(node):
                 continue  # checked as it comes: a put below may have evicted it since
+            if node.key in self.foreign:
+                return  # held only under another layout: validation refuses it (layer 2)
             if node.key in unread:
                 for key, result in ahead:  # results of keys that memory held after all are passed over
                     unread.discard(key)
@@ -325,7 +354,7 @@ class PrefixCache:
             if self.config.reuse == Reuse.OFF:
                 match = match._replace(segments=[])
             self._fetch(match.segments[:(len(tokens) - 1) // self.block_size], len(tokens), abandoned)
-            plan = self.validator.plan(len(tokens), match, self.table)
+            plan = self.validator.plan(len(tokens), match, self.table, self.foreign)
             state, why = self.assembler.restore(plan, self.before_use)
             if state is not None:
                 break

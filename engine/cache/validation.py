@@ -1,7 +1,9 @@
 """Four-layer validation: a logical hit becomes a usable hit only through `Validator.plan`.
 
 1. whole-segment alignment   only whole verified segments are reused; a partial one is recomputed
-2. kernel/layout interface   every record must carry the current layout fingerprint
+2. kernel/layout interface   every record must carry the current layout fingerprint; a segment the
+                             lower tier holds only under another format of the model's weights
+                             (another dtype, int8) is refused here, with that reason
 3. multi-group intersection  per state kind the longest prefix it can serve; the usable length is
                              the largest segment boundary that every kind serves (the intersection,
                              never the union)
@@ -14,6 +16,7 @@ recovery.py), the usable length and whether the result is exact.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -132,7 +135,10 @@ class Validator:
         # alone: windows and compressors rebuilt beside them made it slower than a prefill
         self.exact_replayable = bool(snapshot_kinds & GDN_KINDS) and snapshot_kinds <= GDN_KINDS
 
-    def plan(self, prompt_len: int, match: MatchResult, table: StateTable) -> ReusePlan:
+    def plan(self, prompt_len: int, match: MatchResult, table: StateTable,
+             foreign: Mapping[bytes, str] | None = None) -> ReusePlan:
+        """`foreign`: segments that the table lacks and the lower tier holds only under another
+        layout of the same model (PrefixCache.foreign): key -> what differs."""
         b = self.block_size
         failures: list[Miss] = []
         notes: list[str] = []
@@ -153,6 +159,10 @@ class Validator:
         get, layout, exact_only = table.records.get, self.layout, self.policy.mode == Reuse.EXACT
         for j, node in enumerate(match.segments[:n]):
             rec = get(node.key)
+            if rec is None and foreign and node.key in foreign:
+                failures.append(Miss("layer 2", f"segment {j} was written under another layout fingerprint: "
+                                                f"{foreign[node.key]}"))
+                break
             if rec is None:
                 failures.append(Miss("layer 3", f"segment {j} has no state record"))
                 unavailable = j

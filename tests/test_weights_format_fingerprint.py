@@ -1,0 +1,92 @@
+"""A cache saved under one weights format (bf16, fp32, int8) is refused under another, at validation
+layer 2 with the reason (issue 27, item 3): the layout fingerprint is the model's identity and its
+weights' format; segment keys chain the identity, so the other format's segments on disk are found
+(a logical hit), refused by name, never fetched, and replaced when recomputed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from engine.cache.config import CacheConfig
+from engine.cache.prefix_cache import IDENTITY_BYTES, PrefixCache, layout_fingerprint, layout_identity
+from engine.engine import Engine, SamplingParams
+from engine.model.loader import load_model
+from store.tier import DiskTier
+from workbench.cli import app
+
+MODEL = "hcw-tiny-qwen3.5"
+CFG = CacheConfig(block_size=16, checkpoint_every=1)
+PROMPT = list(b"The quick brown fox jumps over the lazy dog; the lazy dog sleeps on. " * 2)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {d: load_model(MODEL, dtype=d, device="cpu") for d in ("bf16", "int8", "fp32")}
+
+
+def _engine(model, db):
+    return Engine(model, cache=PrefixCache(model, CFG, lower=DiskTier(db, layout_fingerprint(model, CFG))))
+
+
+def _layer2(plan) -> list[str]:
+    return [f.detail for f in plan.failures if f.kind == "layer 2"]
+
+
+def test_the_fingerprint_is_the_models_identity_and_its_weights_format(models):
+    prints = {d: layout_fingerprint(m, CFG) for d, m in models.items()}
+    assert all(len(p) == 2 * IDENTITY_BYTES for p in prints.values())
+    assert len(set(prints.values())) == 3
+    assert len({layout_identity(p) for p in prints.values()}) == 1  # the same files, block size, config
+    assert layout_identity(layout_fingerprint(models["int8"], CacheConfig(block_size=32))) != layout_identity(prints["int8"])
+
+
+@pytest.mark.parametrize("saved, reopened", [("bf16", "int8"), ("int8", "bf16"), ("fp32", "int8")])
+def test_a_cache_saved_under_one_format_is_refused_under_another(models, tmp_path, saved, reopened):
+    db = tmp_path / "hcw.db"
+    first = _engine(models[saved], db)
+    first.generate(PROMPT, SamplingParams(max_new_tokens=4, greedy=True))
+    first.cache.save()
+    assert len(first.cache.lower.segments()) >= 8  # on disk
+    first.cache.lower.close()
+
+    other = _engine(models[reopened], db)
+    run = other.start(PROMPT)
+    run.finish()
+    plan = run.plan
+    assert plan.logical_tokens >= 128 and plan.usable_tokens == 0, plan.summary()
+    assert _layer2(plan) == [f"segment 0 was written under another layout fingerprint: this model's, with its "
+                             f"weights in another dtype or format (now {reopened}); recomputed"]
+    assert other.cache.metrics.validation_failures["layer 2"] == 1
+    assert not other.cache.lower.failures  # refused without a read: never fetched
+    cold = Engine(models[reopened]).start(PROMPT).logits
+    assert torch.equal(run.logits, cold)
+    other.cache.save()
+    other.cache.lower.close()
+
+    # what the second format recomputed replaced the first's rows: its own reuse them, and the
+    # first format now meets the second's, refused in turn
+    again = _engine(models[reopened], db)
+    assert again.start(PROMPT).plan.usable_tokens >= 128
+    back = _engine(models[saved], db).start(PROMPT).plan
+    assert back.usable_tokens == 0 and _layer2(back) and f"(now {saved})" in _layer2(back)[0]
+
+
+def test_hcw_chat_refuses_another_formats_cache_and_says_why(tmp_path):
+    db = tmp_path / "c.db"
+
+    def turn(dtype: str) -> dict:
+        res = CliRunner().invoke(app, ["chat", "--db", str(db), "--plain", "--json", "--max-new-tokens", "3",
+                                       "--dtype", dtype], input="hello there\n")
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout.splitlines()[0])
+
+    assert turn("bf16")["cached_tokens"] == 0
+    refused = turn("int8")  # a new conversation: the system prompt's segments are bf16's
+    assert refused["cached_tokens"] == 0
+    assert any(r.startswith("layer 2: segment 0 was written under another layout fingerprint") and "(now int8)" in r
+               for r in refused["reasons"]), refused["reasons"]
+    assert turn("int8")["cached_tokens"] >= 64  # its own, saved by the turn before
