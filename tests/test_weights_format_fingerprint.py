@@ -90,3 +90,21 @@ def test_hcw_chat_refuses_another_formats_cache_and_says_why(tmp_path):
     assert any(r.startswith("layer 2: segment 0 was written under another layout fingerprint") and "(now int8)" in r
                for r in refused["reasons"]), refused["reasons"]
     assert turn("int8")["cached_tokens"] >= 64  # its own, saved by the turn before
+
+
+def test_a_row_saved_over_another_formats_keeps_none_of_its_pieces(tmp_path):
+    """The disk tier merges a save into what a segment's row holds (kinds not given are kept), but
+    never across layouts: a row of the other format is replaced whole."""
+    identity = bytes(range(IDENTITY_BYTES))
+    bf16, int8 = identity + b"\x01" * 16, identity + b"\x02" * 16
+    key, tokens = bytes(16), bytes(8 * 16)
+    old = {(0, "kv"): (True, torch.ones(2, 3), 0), (0, "conv"): (False, torch.ones(4), 16)}
+    assert DiskTier(tmp_path / "t.db", bf16).save(key, bytes(16), 0, tokens, bf16, old) == (True, None)
+    tier = DiskTier(tmp_path / "t.db", int8)
+    assert [r["layout"] for r in tier.segments()] == [bf16.hex()]  # the same model's: listed, with its layout
+    assert tier.load(key)[1].kind == "fingerprint"
+    assert tier.save(key, bytes(16), 0, tokens, int8, {(0, "kv"): (True, torch.zeros(2, 3), 0)}) == (True, None)
+    pieces, why = tier.load(key)
+    assert why is None and set(pieces) == {(0, "kv")} and not pieces[(0, "kv")][1].any()
+    assert DiskTier(tmp_path / "t.db", identity + b"\x03" * 16).segments()[0]["layout"] == int8.hex()
+    assert DiskTier(tmp_path / "t.db", bytes(32)).segments() == []  # another model's: not listed
