@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32
-# float32 bytes of weight rows dequantised at once by `linear`: over much smaller blocks a prefill's
-# product runs far below the whole weight's speed; at this size as fast (docs/BENCHMARKS.md, int8)
+# float32 bytes of weight rows dequantised at once by `linear`: each block is one GEMM call whose
+# threads meet at its end, and on cores busy with other work each meeting can cost a scheduler
+# slice; few large blocks keep them few, for 32 MB of scratch (docs/BENCHMARKS.md, int8 weights)
 BLOCK_BYTES = 32 << 20
 
 
