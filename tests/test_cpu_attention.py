@@ -47,6 +47,25 @@ def test_it_computes_what_torch_computes(small_blocks, t, n, heads, kv_heads, ba
     assert (got - _reference(q, k, v)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("splits", [[80], [40, 40], [33, 1, 46], [17, 63]], ids=["one-block-piece", "two-blocks",
+                                                                                "odd-pieces", "across-a-block"])
+def test_held_positions_given_as_pieces_attend_as_one_buffer(small_blocks, splits):
+    """A chunk's own keys after held ones given as pieces (a paged state's runs of blocks): the
+    same attention as one dense buffer, to the bit where the pieces end on key blocks (K_BLOCK 40)."""
+    g = torch.Generator().manual_seed(len(splits))
+    held, t = sum(splits), 70
+    q = torch.randn(1, 4, t, 32, generator=g) * 3
+    k, v = torch.randn(2, 1, 2, held + t, 32, generator=g)
+    cuts = torch.tensor([0, *splits]).cumsum(0).tolist()
+    pieces = [(k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
+    with torch.inference_mode():
+        whole = cpu_attention.causal_attention(q, k, v)
+        got = cpu_attention.causal_attention(q, k[:, :, held:], v[:, :, held:], pieces)
+    if all(n % 40 == 0 for n in splits):
+        assert torch.equal(got, whole)
+    assert (got - _reference(q, k, v)).abs().max().item() <= 1e-5
+
+
 def test_a_masked_position_never_contributes(small_blocks):
     # a huge value at a position only later queries may see: any leak into earlier rows shows
     q, k = torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
@@ -63,6 +82,7 @@ def test_it_applies_to_long_cpu_fp32_products_outside_autograd_only():
         assert cpu_attention.applies(q, k)
         assert not cpu_attention.applies(q[:, :, :32], k)  # few queries
         assert not cpu_attention.applies(q[:, :, :256], k[:, :, :256])  # few pairs
+        assert cpu_attention.applies(q[:, :, :256], k[:, :, :256], held=2048)  # few new keys after many held
         assert not cpu_attention.applies(q.bfloat16(), k.bfloat16())
     assert not cpu_attention.applies(q, k)  # autograd on: training keeps torch's kernel
 

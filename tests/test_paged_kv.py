@@ -114,6 +114,61 @@ def test_a_qwen_model_gives_the_same_logits_with_paged_kv(monkeypatch):
     assert (got - expected).abs().max().item() <= 1e-5
 
 
+def test_pieces_read_one_kv_heads_runs_in_place_and_gather_the_rest():
+    """One sequence with one key-value head: its runs of consecutive blocks as views of the pool
+    (a gap between runs: two pieces); more heads or sequences, or runs too short: one copy."""
+    pool = PagedKVState.empty(1, 1, 8, torch.float32, "cpu").pool
+    state, other = PagedKVState(pool, 1), PagedKVState(pool, 1)
+    g = torch.Generator().manual_seed(0)
+    for s, n in ((state, 6 * PAGE), (other, PAGE), (state, 2 * PAGE + 5)):  # the other's block between: two runs
+        s.append(*torch.randn(2, 1, 1, n, 8, generator=g))
+    n = state.length - 3
+    pieces = state.pieces(n)
+    assert state.runs == [0, 1, 2, 3, 4, 5, 7, 8, 9]
+    assert [p[0].shape[2] for p in pieces] == [6 * PAGE, 2 * PAGE + 2]
+    assert all(p[0].untyped_storage().data_ptr() == pool.k.untyped_storage().data_ptr() for p in pieces)
+    k, v = state.read(n)
+    assert torch.equal(torch.cat([p[0] for p in pieces], 2), k) and torch.equal(torch.cat([p[1] for p in pieces], 2), v)
+    assert state.pieces(0) == []
+    with pytest.raises(IndexError):
+        state.pieces(state.length + 1)
+    dense, paged = _filled([PAGE * 3 + 7])  # two sequences, three heads
+    (k, v), = paged.pieces(PAGE * 2 + 1)
+    assert k.untyped_storage().data_ptr() != paged.k_pool.untyped_storage().data_ptr()
+    assert torch.equal(k, dense.read(PAGE * 2 + 1)[0]) and torch.equal(v, dense.read(PAGE * 2 + 1)[1])
+    short = PagedKVState(pool, 1)
+    for _ in range(3):  # runs of one block each, between the other state's
+        for s in (short, other):
+            s.append(*torch.randn(2, 1, 1, PAGE, 8, generator=g))
+    assert len(short.pieces(3 * PAGE)) == 1
+
+
+def test_a_chunked_paged_prefill_attends_its_own_keys_and_the_held_blocks_in_place(monkeypatch):
+    """Prefill chunks through the blocked CPU attention (its thresholds lowered, blocks small): a
+    chunk attends to its own keys as computed and to the held positions read out of the pool,
+    nothing gathered for one sequence with one key-value head, and the logits are the dense
+    layout's."""
+    from engine.model import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "MIN_PAIRS", 0)
+    monkeypatch.setattr(cpu_attention, "Q_BLOCK", 48)
+    monkeypatch.setattr(cpu_attention, "K_BLOCK", 40)
+    model = _qwen()
+    assert model.config.num_key_value_heads == 1
+    ids = torch.randint(0, 263, (1, 330), generator=torch.Generator().manual_seed(8))
+    gathered = []
+    real = PagedKVState._dense
+    monkeypatch.setattr(PagedKVState, "_dense", lambda self, lo, hi: gathered.append(hi - lo) or real(self, lo, hi))
+    logits = {}
+    with torch.no_grad():
+        for layout in ("dense", "paged"):
+            model.use_kv_layout(layout)
+            state = model.new_state()
+            logits[layout] = torch.cat([model(ids[:, lo:lo + 110], state) for lo in range(0, 330, 110)], dim=1)
+    assert gathered == []
+    assert (logits["paged"] - logits["dense"]).abs().max().item() <= 1e-5
+
+
 def test_paged_kv_with_the_triton_kernels_forced_gives_the_same_logits(monkeypatch):
     """The engine's paged path with Triton forced (the interpreter on CPU): prefill kernel for the
     chunk, decode kernel for the steps, across a block boundary."""

@@ -14,6 +14,10 @@ import torch
 from engine.cache.block_pool import PAGE, BlockPool, release_runs
 from engine.cache.states import Kind, Piece, StateObject
 
+# `PagedKVState.pieces`: runs of blocks shorter than this on average are gathered instead (an
+# attention takes each piece in products of its own; a quarter of cpu_attention's key block)
+MIN_RUN = 256
+
 __all__ = ["PAGE", "KVState", "PagedKVState", "kv_layout"]
 
 
@@ -257,6 +261,34 @@ class PagedKVState(_SlicedByPosition):
         if end > self.length:
             raise IndexError(f"positions up to {end} asked of a KV state holding {self.length}")
         return self._dense(0, end)
+
+    def pieces(self, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values of positions [0, end) held, in order, as pieces [B, Hkv, n, D] to read
+        at once (before anything is written): for one sequence with one key-value head, views of
+        its runs of consecutive pool blocks, each one plain tensor where they lie; otherwise, or
+        where those runs average under MIN_RUN positions (each piece costs an attention its own
+        small products), one gathered copy."""
+        if end > self.length:
+            raise IndexError(f"positions up to {end} asked of a KV state holding {self.length}")
+        if end == 0:
+            return []
+        k = self.pool.k
+        if self.batch == 1 and k.shape[1] == 1:
+            runs: list[list[int]] = []  # [first block, blocks] of each run of consecutive blocks
+            for first in self.runs[:-(-end // self.page)]:
+                if runs and runs[-1][0] + runs[-1][1] == first:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([first, 1])
+            if len(runs) * MIN_RUN <= end or len(runs) == 1:
+                out, at = [], 0
+                for first, blocks in runs:
+                    n = min(blocks * self.page, end - at)
+                    out.append(tuple(pool[first:first + blocks].view(1, 1, -1, k.shape[3])[:, :, :n]
+                                     for pool in (k, self.pool.v)))
+                    at += n
+                return out
+        return [self._dense(0, end)]
 
     def _dense(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [lo, hi) as [B, Hkv, hi-lo, D] tensors of their own: the blocks they lie in

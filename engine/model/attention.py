@@ -133,6 +133,8 @@ class GatedAttention(nn.Module):
         end = start + q.shape[2]
         if state.length == start:
             state.append(k, v)
+            if q.shape[2] > 1 and not use_triton(q, state.k_pool):
+                return _chunk_attention(q, k, v, state, start)
         elif end > state.length:
             raise IndexError(f"positions up to {end} asked of a KV state holding {state.length}")
         return _paged_attention(q, state, end)
@@ -158,6 +160,22 @@ def _paged_attention(q: torch.Tensor, state: PagedKVState, end: int | None = Non
     if q.shape[2] == 1:
         return paged_decode(q[:, :, 0].contiguous(), *pools, trusted=True).unsqueeze(2)
     return paged_prefill(q.transpose(1, 2).contiguous(), *pools, trusted=True).transpose(1, 2)
+
+
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: PagedKVState,
+                     start: int) -> torch.Tensor:
+    """A chunk of T positions start.. on the CPU, just appended to `state`: q [B, H, T, D] against
+    its own keys and values k, v [B, Hkv, T, D] as computed and the held ones before `start` read
+    in place where they can be (`PagedKVState.pieces`), rather than a dense copy of all of them
+    gathered out of the pool for every chunk. [B, H, T, D]."""
+    # rows of their own: v is a view of the projection's output, and oneDNN's product over
+    # strided rows runs tens of times slower
+    k, v = k.contiguous(), v.contiguous()
+    if start == 0:
+        return _causal_attention(q, k, v, 0)
+    if cpu_attention.applies(q, k, held=start):
+        return cpu_attention.causal_attention(q, k, v, state.pieces(start))
+    return _paged_attention(q, state, start + q.shape[2])
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

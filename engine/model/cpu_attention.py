@@ -19,6 +19,7 @@ block, taken first; every key before it is visible to every row, so no other blo
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -33,19 +34,26 @@ MIN_QUERIES = 64
 _LOG2E = 1.4426950408889634
 
 
-def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """q [B, H, T, D], k [B, Hkv, N, D]: a CPU fp32 product outside autograd, large enough."""
+def applies(q: torch.Tensor, k: torch.Tensor, held: int = 0) -> bool:
+    """q [B, H, T, D], k [B, Hkv, N, D] (after `held` positions given apart): a CPU fp32 product
+    outside autograd, large enough."""
     return (ONEDNN and q.device.type == "cpu" and q.dtype is torch.float32 and k.dtype is torch.float32
-            and q.shape[2] >= MIN_QUERIES and q.shape[2] * k.shape[2] >= MIN_PAIRS and not torch.is_grad_enabled())
+            and q.shape[2] >= MIN_QUERIES and q.shape[2] * (held + k.shape[2]) >= MIN_PAIRS
+            and not torch.is_grad_enabled())
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [B, H, T, D] for positions N-T..N-1; k, v [B, Hkv, N, D] for positions 0..N-1 (H a multiple
-    of Hkv: each KV head serves H/Hkv query heads). Returns [B, H, T, D]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+    """q [B, H, T, D] for positions N-T..N-1; k, v [B, Hkv, N-P, D] for positions P..N-1 (H a
+    multiple of Hkv: each KV head serves H/Hkv query heads), where `prefix` holds positions 0..P-1
+    as pieces (k_i, v_i) [B, Hkv, n_i, D] in order (a paged state's blocks read where they lie, so
+    a chunk attends to its own keys and the cached ones without one dense copy of them all).
+    Returns [B, H, T, D]."""
     b, h, t, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    if t > n or h % hkv:
-        raise ValueError(f"{t} queries against {n} keys, {h} query heads over {hkv} KV heads")
+    held = sum(piece[0].shape[2] for piece in prefix)
+    hkv, n = k.shape[1], held + k.shape[2]
+    if t > n - held or h % hkv:
+        raise ValueError(f"{t} queries against {n - held} keys after {held}, {h} query heads over {hkv} KV heads")
     g = h // hkv
     offset = n - t  # the position of query row 0
     out = q.new_empty(b, h, t, d)
@@ -54,6 +62,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     for bi in range(b):
         for hi in range(hkv):
             keys, values = k[bi, hi], v[bi, hi]
+            pieces = [(pk[bi, hi], pv[bi, hi]) for pk, pv in prefix] + [(keys, values)]
             for i0 in range(0, t, Q_BLOCK):
                 rows = min(Q_BLOCK, t - i0)
                 # the group's query heads stacked as rows of one block: [G x rows, D]
@@ -61,23 +70,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
                 first = offset + i0  # the block's first row's position; its last row sees keys < first + rows
                 # the keys [first, first + rows) hold the causal triangle: one block, masked, taken first
                 # (every row sees its own position there, so the running maximum starts finite)
-                s = linear(qb, keys[first:first + rows], None, "none", [], "")  # [G x rows, rows]
+                at = first - held
+                s = linear(qb, keys[at:at + rows], None, "none", [], "")  # [G x rows, rows]
                 later = torch.ones(rows, rows, dtype=torch.bool).triu_(1)
                 s.view(g, rows, rows).masked_fill_(later, -math.inf)
                 best = s.amax(-1, keepdim=True)
                 s.sub_(best).clamp_(min=-100.0).view(g, rows, rows).masked_fill_(later, -math.inf)
                 torch.exp2(s, out=s)
                 total = s.sum(-1, keepdim=True)
-                acc = linear(s, values[first:first + rows].t(), None, "none", [], "")
+                acc = linear(s, values[at:at + rows].t(), None, "none", [], "")
                 # the keys before `first` are visible to every row: blocks of K_BLOCK, no mask
-                for j0 in range(0, first, K_BLOCK):
-                    j1 = min(j0 + K_BLOCK, first)
-                    s = linear(qb, keys[j0:j1], None, "none", [], "")  # [G x rows, j1 - j0]
+                for kb, vb in _blocks(pieces, first):
+                    s = linear(qb, kb, None, "none", [], "")  # [G x rows, K_BLOCK at most]
                     new_best = torch.maximum(best, s.amax(-1, keepdim=True))
                     torch.exp2(s.sub_(new_best).clamp_(min=-100.0), out=s)
                     rescale = torch.exp2((best - new_best).clamp_(min=-100.0))
                     total.mul_(rescale).add_(s.sum(-1, keepdim=True))
-                    acc.mul_(rescale).add_(linear(s, values[j0:j1].t(), None, "none", [], ""))
+                    acc.mul_(rescale).add_(linear(s, vb.t(), None, "none", [], ""))
                     best = new_best
                 out[bi, hi * g:(hi + 1) * g, i0:i0 + rows] = acc.div_(total).view(g, rows, d)
     return out
+
+
+def _blocks(pieces: list[tuple[torch.Tensor, torch.Tensor]], end: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `end` rows of the pieces' keys and values ([n_i, D] each, in order) in blocks of
+    K_BLOCK rows at most, none across two pieces."""
+    for keys, values in pieces:
+        stop = min(end, keys.shape[0])
+        for j0 in range(0, stop, K_BLOCK):
+            yield keys[j0:min(j0 + K_BLOCK, stop)], values[j0:min(j0 + K_BLOCK, stop)]
+        end -= stop
+        if end <= 0:
+            return
