@@ -94,10 +94,11 @@ class Running:
         self.decode_t0 = time.perf_counter()
         self.reason = ""
 
-    def sample(self) -> bool:
-        """Sample the next token from the last logits and hand it out; True when the request is done
-        (its reason set), the same checks in the same order as Engine.generate."""
-        token = self.sampler(self.logits)
+    def sample(self, greedy: int | None = None) -> bool:
+        """Sample the next token from the last logits (`greedy`: their argmax, taken already for the
+        whole step) and hand it out; True when the request is done (its reason set), the same checks
+        in the same order as Engine.generate."""
+        token = greedy if greedy is not None and self.request.params.greedy else self.sampler(self.logits)
         self.out.append(token)
         if self.request.on_token is not None:
             self.request.on_token(token)
@@ -248,10 +249,10 @@ class Scheduler:
         elif self._sample(r):
             self.running.append(r)
 
-    def _sample(self, r: Running) -> bool:
+    def _sample(self, r: Running, greedy: int | None = None) -> bool:
         """Sample r's next token; False (and r finished) when it is done."""
         try:
-            done = r.sample()
+            done = r.sample(greedy)
         except Exception as e:  # noqa: BLE001 - a callback or the sampler failed this request alone
             r.run.finish()
             self._fail(r.request, e)
@@ -266,9 +267,15 @@ class Scheduler:
             tokens = [r.out[-1] for r in batch]
             if len(batch) == 1:  # one sequence keeps the single-sequence path (the static decoder on CUDA)
                 batch[0].logits = self.engine.decode(tokens[0], batch[0].run.state)
+                greedy = [None]
             else:  # the weights read once for every row (engine/batch_decode.py)
-                for r, logits in zip(batch, self.engine.decode_batch(tokens, [r.run.state for r in batch])):
-                    r.logits = logits
+                logits = self.engine.decode_batch(tokens, [r.run.state for r in batch])  # [N, vocab]
+                for r, row in zip(batch, logits):
+                    r.logits = row
+                # every row's argmax in one op (a greedy row's token; a sampled row ignores its own):
+                # per row it was N ops, each giving the GIL up to the HTTP loop and waiting for it back
+                greedy = (logits.argmax(-1).tolist() if any(r.request.params.greedy for r in batch)
+                          else [None] * len(batch))
             for r, token in zip(batch, tokens):
                 r.run.fed.append(token)
                 if r.run.writer is not None and r.run.state.seq_len % self.engine.cache.block_size == 0:
@@ -282,7 +289,7 @@ class Scheduler:
         self.steps += 1
         if self.on_step is not None:
             self.on_step(self)
-        self.running = [r for r in batch if self._sample(r)]
+        self.running = [r for r, g in zip(batch, greedy) if self._sample(r, g)]
 
     def _finish(self, r: Running) -> None:
         r.run.finish()  # the admission ticket back, the segments saved

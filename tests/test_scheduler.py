@@ -82,6 +82,21 @@ def test_sampled_requests_are_reproducible_by_seed(model):
     assert got[0].token_ids == alone.token_ids
 
 
+def test_greedy_and_sampled_requests_in_one_batch_give_what_each_gives_alone(model):
+    """A step takes every row's argmax at once: a greedy row's token is its own row's, and a sampled
+    row still draws from its own logits with its own generator."""
+    ps = prompts(4)
+    params = [SamplingParams(max_new_tokens=9, greedy=True, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(max_new_tokens=9, temperature=0.9, seed=20 + i, ignore_eos=True) for i in range(4)]
+    alone = [Engine(model).generate(p, sp).token_ids for p, sp in zip(ps, params)]
+    sizes = []
+    scheduler = Scheduler(Engine(model), max_batch=4)
+    scheduler.on_step = lambda s: sizes.append(s.batch_size)
+    got = run_all(scheduler, [Request(p, sp) for p, sp in zip(ps, params)])
+    assert [g.token_ids for g in got] == alone
+    assert max(sizes) == 4
+
+
 def test_requests_join_and_leave_at_step_boundaries(model):
     """Past max_batch, a request waits; it joins when one leaves, and the running batch never
     holds more than max_batch."""
