@@ -13,8 +13,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
+import workbench.serve.run
+from engine.threads import threads_beside_ui
 from workbench.cli import app
 
 MIRA = "The code for Mira is 4821. What is the code for Mira?"
@@ -70,6 +73,20 @@ def test_a_port_in_use_is_one_line(tmp_path, monkeypatch):
         result = CliRunner().invoke(app, ["serve", "--port", str(busy.getsockname()[1])])
     assert result.exit_code == 1
     assert re.fullmatch(r"error: cannot listen on 127\.0\.0\.1:\d+: .+", result.output.strip())
+
+
+def test_the_model_decodes_on_one_thread_fewer_than_the_cores(tmp_path, monkeypatch):
+    """The HTTP loop and the clients keep a core (a step's ops wait for every thread, and one
+    preempted stalls them all); --threads overrides; the caller's count is back afterwards."""
+    monkeypatch.setenv("HCW_HOME", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(workbench.serve.run, "serve", lambda opts, host, port: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    for extra in ([], ["--threads", "3"]):
+        result = CliRunner().invoke(app, ["serve", "--port", "0", *extra])
+        assert result.exit_code == 0, result.output
+        assert torch.get_num_threads() == before
+    assert seen == [threads_beside_ui(), 3]
 
 
 def test_bad_limits_are_refused_before_loading():

@@ -24,9 +24,9 @@ def serve(
                                        help="require `Authorization: Bearer KEY` (or set HCW_API_KEY)"),
     insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="serve a non-loopback --host "
                                           "without a key"),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="CPU threads for the model (default: "
-                                       "torch's, one per core; on a machine busy with other work, fewer decode "
-                                       "faster)"),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="CPU threads for the model (default: one "
+                                       "fewer than the cores, at least one: the HTTP side and the clients keep "
+                                       "one; on a machine busy with other work, fewer decode faster)"),
     dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
 ) -> None:
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
@@ -44,10 +44,14 @@ def serve(
         opts = ServeOptions(chat, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, api_key=api_key)
     except ValueError as e:
         fail(str(e))
-    if threads is not None:
-        import torch
+    import torch
 
-        torch.set_num_threads(threads)
+    from engine.threads import threads_beside_ui
+
+    before = torch.get_num_threads()
+    # a decode step's every op waits for all its threads: one preempted by the HTTP loop or a client
+    # stalls the whole step, as beside a UI (engine/threads.py)
+    torch.set_num_threads(threads if threads is not None else threads_beside_ui())
     try:
         run(opts, host, port)
     except ValueError as e:  # ConfigError, WeightsError: the model folder
@@ -56,6 +60,8 @@ def serve(
         fail(str(e), code=1)
     except sqlite3.DatabaseError as e:
         fail(f"cannot open the workbench database {db or '(the default one)'}: {e}", code=1)
+    finally:
+        torch.set_num_threads(before)  # a caller in this process (a test) keeps its own
 
 
 @app.command()
