@@ -4,8 +4,11 @@ without a shared prefix; every request is counted, errors too.
 
 The server runs as `hcw serve` does, in a process of its own; the clients are threads here, each
 streaming its requests one after another through /v1/completions (token-id prompts, so lengths are
-exact; greedy; `ignore_eos` so every answer is max_tokens long). The streams' rounds alternate
-their order, and each ratio is against the one-stream run of the same round, on the same server.
+exact; greedy; `ignore_eos` so every answer is max_tokens long) on one keep-alive connection,
+parsing every server-sent event's JSON. They use the standard library's http.client: they share
+the machine's cores with the server, and httpx's streaming took ~10x its CPU per token, which the
+server's streams then lost. The streams' rounds alternate their order, and each ratio is against
+the one-stream run of the same round, on the same server.
 llama.cpp's `llama-server --parallel 8` is not driven yet: the report says whether one was found.
 
     python benchmarks/serve_load.py [--quick] [--no-write] [--models hcw-tiny,hcw-tiny-qwen3.5]
@@ -14,6 +17,7 @@ llama.cpp's `llama-server --parallel 8` is not driven yet: the report says wheth
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -29,8 +33,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-import httpx  # noqa: E402
 
 from benchmarks.report import parse_args, write_section  # noqa: E402
 
@@ -50,25 +52,35 @@ def start(model: str, home: str, threads: int | None) -> tuple[subprocess.Popen,
     return proc, found.group(1)
 
 
-def one(client: httpx.Client, base: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+def connect(base: str) -> http.client.HTTPConnection:
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    return http.client.HTTPConnection(host, int(port), timeout=600)
+
+
+def one(conn: http.client.HTTPConnection, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
     """(seconds to the first token, completion tokens) of one streamed request."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, tokens = None, 0
-    with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - t0
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read().decode()[:200]}")
+    while line := r.readline():  # chunked transfer decoded by http.client
+        line = line.rstrip(b"\r\n")
+        if line == b"data: [DONE]":
+            r.read()  # the response's end, so that the connection serves the next request
+            break
+        if not line.startswith(b"data: "):
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        if first is None and chunk.get("choices"):
+            first = time.perf_counter() - t0
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     return first or 0.0, tokens
 
 
@@ -80,17 +92,22 @@ def load(base: str, model: str, streams: int, prompts: list[list[int]], max_toke
     lock = threading.Lock()
 
     def client(mine: list[list[int]]) -> None:
-        with httpx.Client() as c:
+        conn = connect(base)
+        try:
             for p in mine:
                 try:
-                    ttft, n = one(c, base, model, p, max_tokens)
-                except (RuntimeError, httpx.HTTPError):
+                    ttft, n = one(conn, model, p, max_tokens)
+                except (RuntimeError, OSError, http.client.HTTPException):
                     with lock:
                         errors[0] += 1
+                    conn.close()  # the next request on a fresh connection
+                    conn = connect(base)
                     continue
                 with lock:
                     ttfts.append(ttft)
                     tokens[0] += n
+        finally:
+            conn.close()
 
     threads = [threading.Thread(target=client, args=(m,)) for m in per]
     t0 = time.perf_counter()
