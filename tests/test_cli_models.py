@@ -92,6 +92,9 @@ def test_show_a_builtin_and_a_folder(mixed, tmp_path):
     assert "order        gdn sliding gdn csa gdn full hca full" in out
     assert "tokenizer    byte-level (built in), with a chat template" in out
     assert "1,074 B per token" in out and "    kv             4.0 MiB" in out
+    assert "  cache        up to 1.0 GiB of segments in memory, then the disk tier" in out
+    runtime = next(line for line in out.splitlines() if line.startswith("  runtime"))
+    assert float(runtime.split()[1]) > 0 and runtime.split()[2] in ("MiB", "GiB") and "no weights loaded" in runtime
     res = runner.invoke(app, ["show", str(mixed), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)

@@ -23,8 +23,10 @@ import collections
 from math import lcm
 from pathlib import Path
 
+import psutil
 import torch
 
+from engine.cache.config import CacheConfig
 from engine.cache.states import COMPRESSOR_KINDS, Kind
 from engine.config import ModelConfig, compute_dtype
 from engine.model.loader import BUILTIN_MODELS, resolve_model
@@ -134,6 +136,10 @@ def describe(name: str | Path) -> dict:
         "chat_template": bool(tok is not None and getattr(tok, "chat_template", None)),
         "state_fp32": state_cost(cfg),
         "state_fp32_at_4096": state_bytes(cfg, 4096),
+        # what else a run holds: the prefix cache's in-memory budget (then the disk tier), and the
+        # runtime, measured as this process's resident memory (Python, torch), no weights loaded
+        "cache_budget_bytes": CacheConfig().budget_bytes,
+        "runtime_bytes": psutil.Process().memory_info().rss,
     }
 
 
@@ -194,4 +200,6 @@ def details(m: dict) -> str:
         f"{size(sum(m['state_fp32_at_4096'].values()))}:",
     ]
     lines += [f"    {kind:14} {size(n)}" for kind, n in m["state_fp32_at_4096"].items() if n]
+    lines += [f"  cache        up to {size(m['cache_budget_bytes'])} of segments in memory, then the disk tier",
+              f"  runtime      {size(m['runtime_bytes'])} (Python and torch: this process, no weights loaded)"]
     return "\n".join(lines) + "\n"
