@@ -18,8 +18,6 @@ Needs the optional extra and the unpacked sdist (for its converter and gguf-py);
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import platform
 import random
@@ -34,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.llama_runner import LlamaRunner  # noqa: E402
 from benchmarks.report import parse_args, write_section  # noqa: E402
 from engine import load_model  # noqa: E402
 from engine.cache.config import CacheConfig
@@ -47,13 +46,15 @@ THREADS = 2
 BLOCK = 64
 
 
-def build_hf(folder: Path):
+def build_hf(folder: Path, raw: dict | None = None, dtype: torch.dtype = torch.float32):
+    """A random transformers model of the qwen3_5_text config `raw` (this script's by default),
+    saved in `dtype` and returned in it."""
     import transformers as tf
 
-    raw = qwen3_5_text_dict(hidden=256, layers=8, vocab=VOCAB, max_positions=65536)
+    raw = dict(raw or qwen3_5_text_dict(hidden=256, layers=8, vocab=VOCAB, max_positions=65536))
     raw.pop("model_type")
     torch.manual_seed(0)
-    hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**raw)).eval()
+    hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**raw)).eval().to(dtype)
     hf.save_pretrained(folder)
     return hf
 
@@ -66,9 +67,10 @@ def _byte_tokens() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def convert(folder: Path, llama_src: Path, out: Path) -> None:
-    """The sdist's converter writes the weights; the random model has no tokenizer, so the vocab is
-    a minimal byte-level one (both engines are fed token ids, never text)."""
+def convert(folder: Path, llama_src: Path, out: Path, outtype: str = "f32") -> None:
+    """The sdist's converter writes the weights (`outtype`: its --outtype, f32, bf16 or q8_0); the
+    random model has no tokenizer, so the vocab is a minimal byte-level one (both engines are fed
+    token ids, never text)."""
     vendor = llama_src / "vendor" / "llama.cpp"
     for p in (vendor / "gguf-py", vendor):
         sys.path.insert(0, str(p))
@@ -82,77 +84,20 @@ def convert(folder: Path, llama_src: Path, out: Path) -> None:
         no_mtp = True  # the random model has no multi-token-prediction head (the CLI's --no-mtp)
 
         def set_vocab(self):
+            vocab = self.hparams["vocab_size"]
             tokens = _byte_tokens() + ["ĠĠ"]
-            tokens += [f"<|unused{i}|>" for i in range(VOCAB - len(tokens))]
-            types = [gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.UNUSED] * (VOCAB - 257)
+            tokens += [f"<|unused{i}|>" for i in range(vocab - len(tokens))]
+            types = [gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.UNUSED] * (vocab - 257)
             self.gguf_writer.add_tokenizer_model("gpt2")
             self.gguf_writer.add_tokenizer_pre("qwen2")
             self.gguf_writer.add_token_list(tokens)
             self.gguf_writer.add_token_types(types)
             self.gguf_writer.add_token_merges(["Ġ Ġ"])
 
-    model = RandomQwen35(folder, gguf.LlamaFileType.ALL_F32, out, eager=True)
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+    model = RandomQwen35(folder, ftype, out, eager=True)
     model.write()
-
-
-class LlamaRunner:
-    """llama-cpp-python's low-level calls, last-token logits only."""
-
-    def __init__(self, path: Path, n_ctx: int, rollback: int = 0):
-        import llama_cpp
-        import llama_cpp.llama_cpp as low  # what Llama() reads its context defaults from
-
-        self.lib = llama_cpp
-        default = low.llama_context_default_params
-
-        def with_rollback():
-            params = default()
-            params.n_rs_seq = rollback  # experimental recurrent-state snapshots for rollback
-            return params
-
-        with _patched(low, "llama_context_default_params", with_rollback if rollback else default):
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=2048, n_ubatch=512,
-                                       n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
-
-    def logits(self) -> np.ndarray:
-        ptr = self.lib.llama_get_logits_ith(self.llm._ctx.ctx, -1)
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(VOCAB,)).copy()
-
-    def prefill(self, ids: list[int]) -> np.ndarray:
-        self.llm.reset()
-        self.llm.eval(ids)
-        return self.logits()
-
-    def extend(self, ids: list[int], keep: int) -> tuple[np.ndarray, bool]:
-        """Continue from the first `keep` tokens held (append, or an edit that drops the rest);
-        when the memory cannot drop them, the whole prompt is reprocessed, as llama.cpp's server does.
-        Returns the logits and whether the held state was reused."""
-        reused = keep == self.llm.n_tokens or self.llm._ctx.kv_cache_seq_rm(-1, keep, -1)
-        if reused:
-            self.llm.n_tokens = keep
-            self.llm.eval(ids[keep:])
-        else:
-            self.llm.reset()
-            self.llm.eval(ids)
-        return self.logits(), bool(reused)
-
-    def decode(self, steps: int) -> float:
-        tok = int(self.logits().argmax())
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.llm.eval([tok])
-            tok = int(self.logits().argmax())
-        return time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def _patched(module, name, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def ours_decode(engine: Engine, prompt: list[int], steps: int) -> float:
