@@ -108,3 +108,23 @@ def test_a_row_saved_over_another_formats_keeps_none_of_its_pieces(tmp_path):
     assert why is None and set(pieces) == {(0, "kv")} and not pieces[(0, "kv")][1].any()
     assert DiskTier(tmp_path / "t.db", identity + b"\x03" * 16).segments()[0]["layout"] == int8.hex()
     assert DiskTier(tmp_path / "t.db", bytes(32)).segments() == []  # another model's: not listed
+
+
+def test_an_in_memory_lower_tier_says_each_rows_layout_and_another_formats_rows_are_refused(models):
+    """The protocol's in-memory tier (the drills') lists each row's layout as the disk tier does: a
+    cache of another weights format over it refuses those rows at layer 2 instead of reusing them."""
+    from engine.cache.faults import MemoryTier
+
+    tier = MemoryTier()
+    first = Engine(models["fp32"], cache=PrefixCache(models["fp32"], CFG, lower=tier))
+    first.start(PROMPT).finish()
+    first.cache.save()
+    assert {row["layout"] for row in tier.segments()} == {first.cache.layout.hex()}
+    other = Engine(models["int8"], cache=PrefixCache(models["int8"], CFG, lower=tier))
+    run = other.start(PROMPT)
+    run.finish()
+    assert run.plan.logical_tokens >= 128 and run.plan.usable_tokens == 0, run.plan.summary()
+    assert _layer2(run.plan) and "(now int8)" in _layer2(run.plan)[0]
+    assert torch.equal(run.logits, Engine(models["int8"]).start(PROMPT).logits)
+    again = Engine(models["fp32"], cache=PrefixCache(models["fp32"], CFG, lower=tier))
+    assert again.start(PROMPT).plan.usable_tokens == 0  # the int8 run's rows replaced the fp32 ones whole

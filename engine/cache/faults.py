@@ -115,12 +115,15 @@ class MemoryTier:
         self.delay_s = 0.0
 
     def save(self, key, parent, index, tokens, layout, pieces) -> tuple[bool, Miss | None]:
-        old = self.rows[key][3] if key in self.rows else {}
-        self.rows[key] = (parent, index, tokens, {**old, **{k: (p, _copy(d), pos) for k, (p, d, pos) in pieces.items()}})
+        # a save under another layout replaces the row whole, as the disk tier's does
+        old = self.rows[key][3] if key in self.rows and self.rows[key][4] == layout else {}
+        self.rows[key] = (parent, index, tokens, {**old, **{k: (p, _copy(d), pos) for k, (p, d, pos) in pieces.items()}},
+                          layout)
         return True, None
 
     def segments(self) -> list[dict]:
-        return [{"key": k.hex(), "parent": r[0].hex(), "idx": r[1], "tokens": r[2]} for k, r in self.rows.items()]
+        return [{"key": k.hex(), "parent": r[0].hex(), "idx": r[1], "tokens": r[2], "layout": r[4].hex()}
+                for k, r in self.rows.items()]
 
     def load(self, key, deadline=None) -> tuple[dict | None, Miss | None]:
         if self.mode == "fail":

@@ -123,7 +123,8 @@ class LowerTier(Protocol):
     def load_many(self, keys: list[bytes], deadline: float | None = None) -> Iterator[tuple[dict | None, Miss | None]]:
         """`load` of each key, in order, lazily: a tier may read them a query at a time."""
     def segments(self) -> list[dict]:
-        """Every segment row as the tier holds it (key, parent, idx, tokens), damaged ones too."""
+        """Every segment row as the tier holds it (key, parent, idx, tokens, layout in hex), damaged
+        ones too; a row without its layout is refused at validation layer 2, never reused."""
     def flush(self) -> bool:
         """Wait until every save handed over is written; False if that is not possible."""
     def take_failures(self) -> list[tuple[bytes, Miss]]:
@@ -233,7 +234,7 @@ class PrefixCache:
                 self.lower_damage.append(f"segment {key.hex()}: its key is not the hash of its parent and tokens")
                 continue
             self.index.insert(parent, idx, tokens)
-            if row.get("layout", own) != own:
+            if row.get("layout") != own:  # (a row that does not say its layout is never taken for ours)
                 self.foreign[key] = (f"this model's, with its weights in another dtype or format (now "
                                      f"{weights_format(self.model)}); recomputed")
         if self.lower_damage:
