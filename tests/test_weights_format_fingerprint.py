@@ -128,3 +128,24 @@ def test_an_in_memory_lower_tier_says_each_rows_layout_and_another_formats_rows_
     assert torch.equal(run.logits, Engine(models["int8"]).start(PROMPT).logits)
     again = Engine(models["fp32"], cache=PrefixCache(models["fp32"], CFG, lower=tier))
     assert again.start(PROMPT).plan.usable_tokens == 0  # the int8 run's rows replaced the fp32 ones whole
+
+
+def test_inspect_tells_formats_apart_and_gc_removes_rows_no_version_reads(tmp_path):
+    """`hcw inspect --json` names a layout by identity and format, so one model's bf16 and int8 rows
+    are two entries; `--gc` removes rows of 16-byte layouts (written before the format was part of
+    the fingerprint: never matched again) and keeps the rest."""
+    identity = bytes(range(IDENTITY_BYTES))
+    db = tmp_path / "t.db"
+    tokens = bytes(8 * 16)
+    for n, layout in enumerate((identity + b"\x01" * 16, identity + b"\x02" * 16, identity)):
+        assert DiskTier(db, layout).save(bytes([n]) * 16, bytes(16), 0, tokens, layout,
+                                         {(0, "kv"): (True, torch.ones(2, 3), 0)}) == (True, None)
+    runner = CliRunner()
+    report = json.loads(runner.invoke(app, ["inspect", str(db), "--json"]).stdout)
+    assert report["layouts"] == {identity.hex()[:16] + ".01010101": 1, identity.hex()[:16] + ".02020202": 1,
+                                 identity.hex()[:16]: 1}
+    res = runner.invoke(app, ["inspect", str(db), "--gc", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["gc_removed"] == 1 and report["segments"] == 2 and len(report["layouts"]) == 2
+    assert report["by_kind"]["kv"]["blobs"] == 2  # the removed row's blobs went with it

@@ -25,7 +25,7 @@ import xxhash
 
 from store.conversations import ConversationDamaged, Conversations, model_label, walk
 from store.db import default_home, open_db
-from store.tier import IDENTITY_BYTES, DiskTier
+from store.tier import IDENTITY_BYTES, LAYOUT_BYTES, DiskTier
 
 # a first segment's parent (engine/cache/prefix_index.py: ROOT)
 ROOT = "00" * 16
@@ -154,7 +154,9 @@ def _written(tier: DiskTier, path: Path, verify: bool, gc: bool, as_json: bool, 
         "db": str(path),
         "models": db["models"].count,
         "segments": db["segments"].count,
-        "layouts": {str(k)[:16]: v for k, v in layouts.items()},
+        # a layout by its identity's first 8 bytes, and its weights format's first 4 where it has one
+        "layouts": {str(k)[:16] + (f".{k[2 * IDENTITY_BYTES:2 * IDENTITY_BYTES + 8]}" if len(str(k)) == 2 * LAYOUT_BYTES
+                                   else ""): v for k, v in layouts.items()},
         "by_kind": {k: {**v, "ratio": (v["raw_bytes"] / v["stored_bytes"]) if v["stored_bytes"] else None}
                     for k, v in by_kind.items()},
         "gc_removed": removed,
@@ -381,8 +383,15 @@ def _title(title: str | None) -> str:
 
 
 def _gc(db) -> int:
-    """Remove segments no chain from a first segment reaches (their parent is gone), repeatedly."""
-    removed = 0
+    """Remove segments no version of hcw reads any more (a layout of 16 bytes: written before the
+    fingerprint named the weights' format) and those no chain from a first segment reaches
+    (their parent is gone), repeatedly."""
+    old = db.execute("SELECT rowid, key FROM segments WHERE length(layout) = ?", [2 * IDENTITY_BYTES]).fetchall()
+    with db.conn:
+        for rowid, key in old:
+            db.execute("DELETE FROM blobs WHERE segment = ?", [key])
+            db.execute("DELETE FROM segments WHERE rowid = ?", [rowid])
+    removed = len(old)
     while True:
         # by rowid: a damaged key (NULL, say) matches nothing by `key = ?`, and would be found again forever
         orphans = db.execute(
