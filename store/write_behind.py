@@ -15,6 +15,8 @@ import threading
 from collections import deque
 from pathlib import Path
 
+import torch
+
 from store.tier import DiskTier, Miss
 
 
@@ -66,6 +68,9 @@ class WriteBehind:
 
     def save(self, key: bytes, parent: bytes, index: int, tokens: bytes, layout: bytes,
              pieces: dict) -> tuple[bool, Miss | None]:
+        # tensors of their own over the same storage, made on the caller's thread: the writer reads
+        # these, never the cache's views, which a block pool may re-point (set_) when it moves
+        pieces = {k: (p, _detached(d), pos) for k, (p, d, pos) in pieces.items()}
         with self._cond:
             if self._closed or not self._thread.is_alive():
                 return False, Miss("io", "the write-behind writer is not running")
@@ -173,3 +178,9 @@ class WriteBehind:
                     self._failures.append((key, why))
                 self._cond.notify_all()
         writer.close()
+
+
+def _detached(data):
+    if isinstance(data, tuple):
+        return tuple(_detached(t) for t in data)
+    return data.detach() if isinstance(data, torch.Tensor) else data

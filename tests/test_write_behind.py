@@ -187,3 +187,21 @@ def test_a_queued_partial_save_reads_back_merged_over_what_the_disk_holds(tmp_pa
     assert sorted(written) == [(0, "kv"), (1, "recurrent")]
     assert torch.equal(written[(1, "recurrent")][1], newer[(1, "recurrent")][1])
     wb.close()
+
+
+def test_the_writer_reads_the_saved_storage_even_if_the_callers_view_is_re_pointed(tmp_path, blocked_writer):
+    """A block pool that moves re-points its handed-out views (`set_`) on the engine's thread; the
+    queued save holds tensors of its own over the old storage, so the writer never reads a view
+    while it changes, and writes the bytes that were saved."""
+    wb = WriteBehind(tmp_path / "w.db", LAYOUT)
+    pieces = _pieces(2)
+    view = pieces[(1, "recurrent")][1]
+    want = view.clone()
+    assert wb.save(b"m" * 16, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, pieces) == (True, None)
+    moved = torch.zeros_like(view)
+    view.set_(moved.untyped_storage(), 0, view.shape, view.stride())  # as BlockPool._move does
+    blocked_writer.set()
+    assert wb.flush(timeout=30)
+    got, why = DiskTier(tmp_path / "w.db", LAYOUT).load(b"m" * 16)
+    assert why is None and torch.equal(got[(1, "recurrent")][1], want)
+    wb.close()
