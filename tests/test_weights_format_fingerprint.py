@@ -149,3 +149,18 @@ def test_inspect_tells_formats_apart_and_gc_removes_rows_no_version_reads(tmp_pa
     report = json.loads(res.stdout)
     assert report["gc_removed"] == 1 and report["segments"] == 2 and len(report["layouts"]) == 2
     assert report["by_kind"]["kv"]["blobs"] == 2  # the removed row's blobs went with it
+
+
+def test_the_segment_table_does_not_show_another_formats_rows_as_on_disk(models, tmp_path):
+    from workbench.session import segment_rows
+
+    db = tmp_path / "hcw.db"
+    first = _engine(models["bf16"], db)
+    first.start(PROMPT).finish()
+    first.cache.save()
+    assert all(row.on_disk for row in segment_rows(first.cache, first.cache.lower, PROMPT))
+    first.cache.lower.close()
+    other = _engine(models["int8"], db)
+    rows = segment_rows(other.cache, other.cache.lower, PROMPT)
+    assert len(rows) >= 8 and not any(row.on_disk for row in rows)
+    assert {row.tier for row in rows} == {"gone"}

@@ -405,7 +405,8 @@ def segment_rows(cache: PrefixCache, tier: WriteBehind, ids: list[int]) -> list[
     for view in cache.segments_of(ids):
         rec = view.record
         kinds = {k for _, k in rec.pieces} if rec else set()
-        on_disk = view.persisted or tier.has(view.key)
+        # (a row the disk holds only under another weights format is never used: not "disk")
+        on_disk = view.persisted or (view.key not in cache.foreign and tier.has(view.key))
         rows.append(SegmentRow(view.index, (view.index * b, (view.index + 1) * b),
                                rec.tier if rec else ("disk" if on_disk else "gone"),
                                {col: bool(kinds & set(ks)) for col, ks in PRESENCE.items()}, on_disk,
