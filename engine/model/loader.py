@@ -314,6 +314,11 @@ def _final_layout(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch
     dropper.flush()
 
 
+# rows quantised at once: q8.quantise makes a few float32 temporaries of the block, which sit on
+# top of the int8 weights and the file pages not yet given back at the load's peak
+_QUANTISE_BLOCK = 8 << 20
+
+
 def _quantise(state: dict[str, torch.Tensor], names, device: str, dropper: _Dropper,
               cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The weights `names` taken out of `state` and quantised (kernels/q8) from the checkpoint's
@@ -325,7 +330,7 @@ def _quantise(state: dict[str, torch.Tensor], names, device: str, dropper: _Drop
         n, width = v.shape
         q = torch.empty(n, width, dtype=torch.int8, device=device)
         scales = torch.empty(n, q8.groups(width), dtype=torch.float32, device=device)
-        step = max(1, _DROP_EVERY // max(1, v[0].nbytes))
+        step = max(1, _QUANTISE_BLOCK // max(1, v[0].nbytes))
         for lo in range(0, n, step):
             try:
                 q[lo:lo + step], scales[lo:lo + step] = q8.quantise(v[lo:lo + step].to(device))
