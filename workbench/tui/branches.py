@@ -64,6 +64,8 @@ class BranchTree(SteadyScrollbars, Tree):
             line = self.tip.line
             if line >= 0:
                 self.scroll_to(y=max(0, line - self.scrollable_content_region.height + 1), animate=False)
+                # the scrollbar's thumb too: it could stay where it was, under a view scrolled elsewhere
+                self.vertical_scrollbar.position = self.scroll_offset.y
 
     @on(Tree.NodeSelected)
     def _chosen(self, event: Tree.NodeSelected) -> None:
