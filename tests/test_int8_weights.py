@@ -116,6 +116,32 @@ def test_only_the_projections_are_int8_and_each_weight_is_held_once(tiny_int8):
     assert describe("hcw-tiny")["weight_bytes"]["int8"] < describe("hcw-tiny")["weight_bytes"]["bf16"]
 
 
+def test_a_tied_embedding_is_one_int8_table_for_the_lookup_and_the_head(tmp_path):
+    raw = qwen3_5_text_dict(hidden=64, layers=4, vocab=512)
+    raw["tie_word_embeddings"] = True
+    folder = write_random_model(tmp_path / "tied", raw)
+    int8, fp32 = load_model(folder, dtype="int8", device="cpu"), load_model(folder, dtype="fp32", device="cpu")
+    emb, head = int8.embed_tokens, int8.lm_head
+    assert emb.int8 and head.int8 and "weight" not in emb._parameters and "weight" not in head._parameters
+    assert head.weight_q8 is emb.weight_q8 and head.weight_scale is emb.weight_scale  # one table
+    q, scales = q8.quantise(fp32.embed_tokens.weight)
+    assert torch.equal(emb.weight_q8, q) and torch.equal(emb.weight_scale, scales)
+    ids = torch.tensor([[5, 0, 511, 5, 77]])
+    with torch.inference_mode():
+        assert torch.equal(emb(ids), q8.dequantise(q, scales)[ids])  # the rows looked up, dequantised
+        got, want = int8(ids, int8.new_state()), fp32(ids, fp32.new_state())
+        engine = Engine(int8)  # a decode step: the head's one row through the int8 GEMV
+        engine.prefill(ids[0, :-1].tolist(), state := engine.new_state())
+        stepped = engine.decode(int(ids[0, -1]), state)
+    assert int8.dtype is torch.float32 and got.dtype is torch.float32
+    assert (got - want).abs().max().item() < 0.05 and _agreement(got[0], want[0]) == 1.0
+    assert (stepped.float().flatten() - got[0, -1]).abs().max().item() < 1e-4
+    held = {t.data_ptr(): t.nbytes for t in int8.parameters()}
+    held.update({t.data_ptr(): t.nbytes for n, t in int8.named_buffers() if n.endswith(("weight_q8", "weight_scale"))})
+    # `hcw show`'s int8 figure counts the one table once, as the loaded model holds it
+    assert sum(held.values()) == describe(folder)["weight_bytes"]["int8"]
+
+
 def test_a_weight_that_is_not_finite_is_refused_at_load(tmp_path):
     folder = write_random_model(tmp_path / "m", qwen3_5_text_dict(hidden=64, layers=2))
     tensors = load_file(folder / "model.safetensors")

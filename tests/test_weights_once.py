@@ -132,15 +132,18 @@ def ran_model(model_dir, request):
 
 
 def test_no_storage_is_held_twice(ran_model):
-    assert ran_model.lm_head.weight is ran_model.embed_tokens.weight  # tied: one tensor
+    emb, head = ran_model.embed_tokens, ran_model.lm_head
+    assert emb.int8 == head.int8  # tied: one tensor, or one int8 table and its scales
+    assert (head.weight_q8 is emb.weight_q8 and head.weight_scale is emb.weight_scale) if emb.int8 else head.weight is emb.weight
     assert _held_bytes(ran_model) <= _weight_bytes(ran_model) + DERIVED
 
 
 def test_a_cached_copy_of_a_weight_is_counted(ran_model):
     # the check above can fail: a transposed copy of the LM head kept beside it is seen
     head = ran_model.lm_head
+    held = head.weight_q8 if head.int8 else head.weight
     with torch.no_grad():
-        derived(head, "flipped", head.weight, lambda w: w.t().contiguous())
+        derived(head, "flipped", held, lambda w: w.t().contiguous())
     try:
         assert _held_bytes(ran_model) > _weight_bytes(ran_model) + DERIVED
     finally:

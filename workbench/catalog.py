@@ -99,14 +99,14 @@ def weight_bytes(cfg: ModelConfig) -> dict[str, int]:
     weight once, so this is what they take in memory), counted on the meta device; int8: the
     projections int8 with their scales, the rest float32 (engine/model/int8.py's rule)."""
     from engine.model.hybrid import HybridModel
-    from engine.model.int8 import int8_bytes, int8_linears
+    from engine.model.int8 import int8_bytes, int8_weights
     from engine.model.loader import _param_dtype
 
     with torch.device("meta"):
         model = HybridModel(cfg)
     out = {name: sum(p.numel() * _param_dtype(cfg, k, p, dtype).itemsize for k, p in model.named_parameters())
            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
-    quantised = {f"{name}.weight" for name in int8_linears(model)}
+    quantised = set(int8_weights(model))
     out["int8"] = sum(int8_bytes(p.shape) if k in quantised else p.numel() * _param_dtype(cfg, k, p, torch.float32).itemsize
                       for k, p in model.named_parameters())
     return out

@@ -77,11 +77,7 @@ class Linear(Direct, nn.Linear):
     def quantise(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         """Hold the weight as int8 from now on: `q` int8 [out, in] and `scales` float32 [out,
         ceil(in / 32)] (kernels.q8.quantise of it); the float weight is dropped."""
-        if tuple(q.shape) != (self.out_features, self.in_features) or q.dtype is not torch.int8:
-            raise ValueError(f"quantise: int8 [{self.out_features}, {self.in_features}], not {q.dtype} {tuple(q.shape)}")
-        if tuple(scales.shape) != (self.out_features, q8.groups(self.in_features)) or scales.dtype is not torch.float32:
-            raise ValueError(f"quantise: float32 scales [{self.out_features}, {q8.groups(self.in_features)}], "
-                             f"not {scales.dtype} {tuple(scales.shape)}")
+        _check_q8(q, scales, self.out_features, self.in_features)
         del self.weight
         self.register_buffer("weight_q8", q)
         self.register_buffer("weight_scale", scales)
@@ -105,6 +101,44 @@ class Linear(Direct, nn.Linear):
         if held is None or held[0] != threads or held[1] != w.data_ptr():
             held = self.__dict__["_split_held"] = (threads, w.data_ptr(), split_blocks(w, threads))
         return held[2]
+
+
+class Embedding(Direct, nn.Embedding):
+    """`nn.Embedding`, called directly; with int8 weights (`quantise`, a tied embedding under
+    `--dtype int8`) the table is held as kernels/q8's int8 rows and scales only, the looked-up rows
+    dequantised to float32, and the LM head takes the same two tensors (one table, q8_0's way)."""
+
+    int8 = False  # the table is held as `weight_q8` and `weight_scale` (quantise)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8:
+            flat = ids.reshape(-1)
+            rows = q8.dequantise(self._buffers["weight_q8"].index_select(0, flat),
+                                 self._buffers["weight_scale"].index_select(0, flat))
+            return rows.view(*ids.shape, self.embedding_dim)
+        return F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+    def quantise(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        """Hold the table as int8 from now on (Linear.quantise's rule); the float table is dropped."""
+        _check_q8(q, scales, self.num_embeddings, self.embedding_dim)
+        del self.weight
+        self.register_buffer("weight_q8", q)
+        self.register_buffer("weight_scale", scales)
+        self.int8 = True
+
+    @property
+    def held(self) -> torch.Tensor:
+        """A tensor of the table as held (the int8 rows or the float weight): its device, and
+        the model's dtype when it is float."""
+        return self._buffers["weight_q8"] if self.int8 else self._parameters["weight"]
+
+
+def _check_q8(q: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> None:
+    if tuple(q.shape) != (rows, cols) or q.dtype is not torch.int8:
+        raise ValueError(f"quantise: int8 [{rows}, {cols}], not {q.dtype} {tuple(q.shape)}")
+    if tuple(scales.shape) != (rows, q8.groups(cols)) or scales.dtype is not torch.float32:
+        raise ValueError(f"quantise: float32 scales [{rows}, {q8.groups(cols)}], not {scales.dtype} {tuple(scales.shape)}")
 
 
 def split_blocks(w: torch.Tensor, threads: int) -> torch.Tensor | None:

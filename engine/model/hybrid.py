@@ -22,7 +22,7 @@ from engine.cache.kv import KVState, PagedKVState, kv_layout
 from engine.cache.states import ModelState
 from engine.config import V4_KINDS, ModelConfig
 from engine.model.attention import GatedAttention
-from engine.model.direct import Direct, Linear
+from engine.model.direct import Direct, Embedding, Linear
 from engine.model.gdn import GatedDeltaNet
 from engine.model.hyper import HyperConnection, HyperHead
 from engine.model.mlp import MLP, SparseMoE, V4MoE
@@ -106,7 +106,7 @@ class HybridModel(nn.Module):
         super().__init__()
         self.config = cfg
         block = HyperBlock if cfg.hc_mult > 1 else Block
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.hc_head = HyperHead(cfg) if cfg.hc_mult > 1 else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
@@ -116,11 +116,13 @@ class HybridModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.embed_tokens.held.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The compute dtype: the embedding's, float32 when it is held as int8."""
+        held = self.embed_tokens.held
+        return torch.float32 if held.dtype is torch.int8 else held.dtype
 
     def use_kv_layout(self, choice: str) -> None:
         """How the full-attention layers' states made from now on keep KV (EngineConfig.kv_layout)."""

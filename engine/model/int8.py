@@ -4,8 +4,10 @@ row and group of 32 columns) and what that costs.
 Every projection of the decoder (attention, GDN, MLP, V4's) and the LM head is quantised at load
 from the checkpoint's own weights and held only as int8 (`direct.Linear.quantise`). Everything
 else stays float32, and so does all computation: embeddings, norms, convolutions, GDN's decay
-parameters, hyper-connections, MoE experts (stacked tensors, not Linears); also, kept on purpose:
-a tied LM head (it is the embedding table), V4's `wo_a` (read as a grouped tensor, not through
+parameters, hyper-connections, MoE experts (stacked tensors, not Linears). A tied embedding is
+one int8 table (q8_0's way): the lookup dequantises the rows it takes and the LM head reads the
+same int8 rows and scales, so a 248K x 1024 vocabulary holds 0.26 GB, not 1 GB of float32 read at
+every decode step. Kept float32 on purpose: V4's `wo_a` (read as a grouped tensor, not through
 `Linear.forward`) and Qwen's MoE router and shared-expert gate (a discrete choice of experts that
 int8 rounding could flip; small). On the CPU a decode step's one-row products take the native int8
 GEMV, a prefill's the reference's dequantise-a-block-and-multiply.
@@ -39,6 +41,16 @@ def int8_linears(model: nn.Module) -> dict[str, Linear]:
         if name == "lm_head" and cfg.tie_word_embeddings:
             continue
         out[name] = mod
+    return out
+
+
+def int8_weights(model: nn.Module) -> dict[str, nn.Module]:
+    """Checkpoint-side name -> module of every weight `--dtype int8` quantises: the Linears of
+    `int8_linears`, and a tied embedding's table ("embed_tokens.weight", which the LM head then
+    shares); works on a model on the meta device too."""
+    out: dict[str, nn.Module] = {f"{name}.weight": mod for name, mod in int8_linears(model).items()}
+    if model.config.tie_word_embeddings:
+        out["embed_tokens.weight"] = model.embed_tokens
     return out
 
 

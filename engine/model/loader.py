@@ -22,10 +22,10 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ConfigError, ModelConfig, compute_dtype, parse_dtype
-from engine.model.file_pages import drop_resident, file_ranges
+from engine.model.file_pages import drop_resident, file_ranges, trim_heap
 from engine.model.fused import FusedLinear
 from engine.model.hybrid import HybridModel
-from engine.model.int8 import int8_linears
+from engine.model.int8 import int8_weights
 from engine.model.weights_digest import files_digest, header_digest
 from kernels import q8
 
@@ -82,15 +82,18 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
         del raw
         _check(model, state)
         dropper = _Dropper(mapped)
-        _fuse(model, state, dropper)
-        quantised = {f"{name}.weight": mod for name, mod in int8_linears(model).items()} if int8 else {}
+        quantised = int8_weights(model) if int8 else {}
+        # before the fusing: a fused int8 weight is quantised from its parts, with no fused copy
+        held_int8 = _quantise(state, quantised.keys(), dict(_fused_modules(model)), device, dropper, cfg)
+        _fuse(model, state, dropper, done=held_int8.keys())
         transposed = _transposed_names(model) - quantised.keys() if torch.device(device).type == "cpu" else set()
-        held_int8 = _quantise(state, quantised.keys(), device, dropper, cfg)
         _final_layout(cfg, state, dtype, device, transposed, dropper)
     model.load_state_dict(state, strict=False, assign=True)
     for name, (q, scales) in held_int8.items():
         quantised[name].quantise(q, scales)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and int8:  # one int8 table: the head takes the embedding's
+        model.lm_head.quantise(model.embed_tokens.weight_q8, model.embed_tokens.weight_scale)
+    elif cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # every byte of the files, so that another model never reuses this one's cached states
     model.weights_digest = xxhash.xxh3_128_digest(f"loader {LOADER_VERSION}".encode() + files_digest(files))
@@ -288,6 +291,7 @@ class _Dropper:
 
     def flush(self) -> None:
         drop_resident(self.mapped)
+        trim_heap()
         self.built = 0
 
 
@@ -314,31 +318,39 @@ def _final_layout(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch
     dropper.flush()
 
 
-# rows quantised at once: q8.quantise makes a few float32 temporaries of the block, which sit on
-# top of the int8 weights and the file pages not yet given back at the load's peak
+# float32 bytes of the rows quantised at once: q8.quantise makes a few float32 temporaries of the
+# block, which sit on top of the int8 weights and the file pages not yet given back at the load's
+# peak (counted in the source's bytes, a bf16 block's temporaries were twice as large)
 _QUANTISE_BLOCK = 8 << 20
 
 
-def _quantise(state: dict[str, torch.Tensor], names, device: str, dropper: _Dropper,
-              cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _quantise(state: dict[str, torch.Tensor], names, fused: dict[str, list[tuple[str, int]]], device: str,
+              dropper: _Dropper, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The weights `names` taken out of `state` and quantised (kernels/q8) from the checkpoint's
     values, a block of rows at a time, the file pages read for each block given back as it goes:
-    name -> (q, scales). A weight that is not finite is a WeightsError naming it."""
+    name -> (q, scales). A fused weight (a name in `fused`, our name -> its parts) is quantised
+    from its parts into its rows (each row has its own scales, so the result is the same) and
+    never built in float. A weight that is not finite is a WeightsError naming it."""
     out = {}
     for k in names:
-        v = state.pop(k)
-        n, width = v.shape
+        pieces = [(part, state.pop(part)) for part, _ in fused[k]] if k in fused else [(k, state.pop(k))]
+        n, width = sum(len(v) for _, v in pieces), pieces[0][1].shape[1]
         q = torch.empty(n, width, dtype=torch.int8, device=device)
         scales = torch.empty(n, q8.groups(width), dtype=torch.float32, device=device)
-        step = max(1, _QUANTISE_BLOCK // max(1, v[0].nbytes))
-        for lo in range(0, n, step):
-            try:
-                q[lo:lo + step], scales[lo:lo + step] = q8.quantise(v[lo:lo + step].to(device))
-            except ValueError as e:
-                raise WeightsError(f"tensor {cfg.weight_prefix + k!r} cannot be held as int8: {e}") from None
-            dropper.add(v[lo:lo + step].nbytes)
+        row = 0
+        while pieces:
+            name, v = pieces.pop(0)
+            step = max(1, _QUANTISE_BLOCK // (4 * max(1, width)))  # rows of float32 temporaries
+            for lo in range(0, len(v), step):
+                hi = min(len(v), lo + step)
+                try:
+                    q[row + lo:row + hi], scales[row + lo:row + hi] = q8.quantise(v[lo:hi].to(device))
+                except ValueError as e:
+                    raise WeightsError(f"tensor {cfg.weight_prefix + name!r} cannot be held as int8: {e}") from None
+                dropper.add(v[lo:hi].nbytes)
+            row += len(v)
+            del v
         out[k] = (q, scales)
-        del v
     dropper.flush()
     return out
 
@@ -352,10 +364,12 @@ def _fused_modules(model: HybridModel):
                 yield f"{name}.{attr}", [(f"{parent}.{part}.{attr}", rows) for part, rows in mod.parts.items()]
 
 
-def _fuse(model: HybridModel, state: dict[str, torch.Tensor], dropper: _Dropper) -> None:
+def _fuse(model: HybridModel, state: dict[str, torch.Tensor], dropper: _Dropper, done=()) -> None:
     """Each fused weight made from its parts, which are dropped (and the file pages they were read
-    from given back)."""
+    from given back); those in `done` are already built (int8, from their parts)."""
     for fused, parts in _fused_modules(model):
+        if fused in done:
+            continue
         state[fused] = torch.cat([state.pop(part) for part, _ in parts])
         dropper.add(state[fused].nbytes)
     dropper.flush()
