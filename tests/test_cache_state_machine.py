@@ -202,15 +202,15 @@ class DeterministicMachine(CacheMachine):
     near-tie or not (EngineConfig.deterministic). Prompts are shorter: prefill runs at decode's speed."""
 
     deterministic = True
-    max_len = 120
+    max_len = 80  # a token a prefill step: each token costs what a whole chunk does in CacheMachine
 
 
 def test_deterministic_reuse_equals_the_oracle_bit_for_bit_through_every_interleaving():
     STEPS.clear()
     run_state_machine_as_test(DeterministicMachine, settings=settings(
-        max_examples=100 if LONG else 10, stateful_step_count=40 if LONG else 25, deadline=None, derandomize=not LONG,
+        max_examples=100 if LONG else 8, stateful_step_count=40 if LONG else 20, deadline=None, derandomize=not LONG,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
-    assert len(STEPS) >= (1000 if LONG else 60)
+    assert len(STEPS) >= (1000 if LONG else 50)
 
 
 def test_torch_is_deterministic_enough_for_the_oracle():
