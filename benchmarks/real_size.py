@@ -54,9 +54,10 @@ PAIRS = (("bf16", "bf16"), ("int8", "q8_0"))
 CHECK_TOKENS = 300
 APPEND = 64
 # a logit further than this share of the reference logits' spread from transformers' is a wrong
-# model, not rounding (bf16 and 8-bit weights: 0.03 and 0.05 on the quick shape); a wrong
-# conversion is off by about the spread itself
-TOLERANCE = 0.25
+# model, not rounding (bf16 and 8-bit weights: 0.03 and 0.05 on the quick shape; at the real
+# shape, whose 24 random layers amplify rounding, bf16 0.12 / 0.23 and 8-bit 0.43 for hcw's int8,
+# 0.59 for llama.cpp's q8_0, measured); a wrong conversion is off by about the spread itself
+TOLERANCE = {"bf16": 0.25, "int8": 0.75, "q8_0": 0.75}
 
 
 def real_shape() -> dict:
@@ -183,7 +184,7 @@ def measure(job: Job) -> Result:
     ref = np.load(job.reference).astype(np.float64)
     got = side.logits(tokens(job.vocab, CHECK_TOKENS, 1)).astype(np.float64)
     error = float(np.abs(got - ref).max() / ref.std())
-    if error > TOLERANCE:
+    if error > TOLERANCE[job.fmt]:
         raise SystemExit(f"{job.engine} {job.fmt} disagrees with transformers before anything is timed: "
                          f"max error {error:.3f} of the logits' std")
     prefill = [n / min(_seconds(side.prefill, tokens(job.vocab, n, 2)) for _ in range(job.reps)) for n in job.lengths]

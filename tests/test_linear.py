@@ -126,7 +126,7 @@ def test_small_products_autograd_and_other_dtypes_keep_f_linear():
     with torch.inference_mode():
         assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(x, w))  # below the threshold
         big = torch.randn(512, 256), torch.randn(768, 256)
-        half = [t.to(torch.bfloat16) for t in big]
+        half = [t.to(torch.float16) for t in big]
         assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(*half))
     x, w = torch.randn(512, 256, requires_grad=True), torch.randn(768, 256, requires_grad=True)
     assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: linear(x, w).sum().backward())
@@ -154,3 +154,23 @@ def test_moving_the_weight_drops_the_held_split(threads):
     assert lin.__dict__["_split_held"][2] is not None
     lin.to(torch.float64)  # the old fp32 storage must not stay alive behind the module
     assert "_split_held" not in lin.__dict__
+
+
+@pytest.mark.skipif(not direct.ONEDNN, reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("hardware", [False, True])
+def test_bf16_rows_are_multiplied_in_fp32_blocks_where_the_cpu_has_no_bf16_gemm(monkeypatch, hardware):
+    monkeypatch.setattr(direct, "BF16_GEMM", hardware)
+    monkeypatch.setattr(direct, "UPCAST_BLOCK_BYTES", 4 * 256 * 100)  # blocks of 100 rows: 768 = 7 x 100 + 68
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(768, 256, generator=g).bfloat16(), torch.randn(768, generator=g).bfloat16()
+    x = torch.randn(2, 64, 256, generator=g).bfloat16()
+    with torch.inference_mode():
+        y = linear(x, w, b)
+        ops = _ops_run(lambda: linear(x, w, b))
+        one_row = _ops_run(lambda: linear(x[:, :1][:1], w, b))
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert y.dtype is torch.bfloat16 and y.shape == (2, 64, 768)
+    # bf16 inputs, float32 sums, rounded to bf16 once: within bf16's half step of the exact product
+    assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    assert ("mkldnn::_linear_pointwise" in ops) is not hardware  # fp32 blocks only without bf16 hardware
+    assert "mkldnn::_linear_pointwise" not in one_row  # a decode row is not a GEMM
