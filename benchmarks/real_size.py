@@ -57,7 +57,7 @@ APPEND = 64
 # model, not rounding (bf16 and 8-bit weights: 0.03 and 0.05 on the quick shape; at the real
 # shape, whose 24 random layers amplify rounding, bf16 0.12 / 0.23 and 8-bit 0.43 for hcw's int8,
 # 0.59 for llama.cpp's q8_0, measured); a wrong conversion is off by about the spread itself
-TOLERANCE = {"bf16": 0.25, "int8": 0.75, "q8_0": 0.75}
+TOLERANCE = {"bf16": 0.4, "int8": 0.75, "q8_0": 0.75}
 
 
 def real_shape() -> dict:

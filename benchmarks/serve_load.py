@@ -89,15 +89,18 @@ def start_llama(binary: str, gguf: Path, threads: int, slots: int = 8, slot_ctx:
     """llama.cpp's server on `gguf`: `slots` parallel sequences of `slot_ctx` tokens each, continuous
     batching, `threads` threads; ready when /health answers 200."""
     port = free_port()
+    # its log goes to a file: it writes a few lines per request, which would fill a pipe nobody reads
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
                              "--ctx-size", str(slots * slot_ctx), "--threads", str(threads), "--threads-batch", str(threads),
                              "--cont-batching", "--no-warmup"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"llama-server exited ({proc.returncode}): {log.read()[-2000:]}")
         try:
             conn = connect(base)
             conn.request("GET", "/health")
@@ -259,7 +262,8 @@ def main() -> None:
             results.append(measure(LLAMA_MODEL, rounds, requests, max_tokens, prefix, args.threads,
                                    (args.llama_server, gguf)))
         note = (f"llama.cpp's server ({_llama_version(args.llama_server)}) ran `--parallel 8 --cont-batching` on "
-                f"{LLAMA_MODEL}'s weights as an f32 GGUF (its converter), the same threads, the same clients.")
+                f"{LLAMA_MODEL}'s weights as an f32 GGUF (its converter), on one thread fewer than the cores (hcw "
+                f"serve's default) unless --threads, driven by the same clients.")
     else:
         note = ("llama.cpp's `llama-server --parallel 8` on the same weights: not run: "
                 + ("no --llama-src for the GGUF converter." if args.llama_server else

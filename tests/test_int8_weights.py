@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from engine.engine import Engine, SamplingParams
 from engine.model.direct import Linear, linear
 from engine.model.int8 import int8_linears, weights_format
-from engine.model.loader import WeightsError, load_model
+from engine.model.loader import WeightsError, load_model, save_model
 from engine.model.random_init import qwen3_5_text_dict, write_random_model
 from engine.model.v4_attention import V4Attention
 from kernels import dispatch, q8
@@ -140,6 +140,12 @@ def test_a_tied_embedding_is_one_int8_table_for_the_lookup_and_the_head(tmp_path
     held.update({t.data_ptr(): t.nbytes for n, t in int8.named_buffers() if n.endswith(("weight_q8", "weight_scale"))})
     # `hcw show`'s int8 figure counts the one table once, as the loaded model holds it
     assert sum(held.values()) == describe(folder)["weight_bytes"]["int8"]
+    # moved (.to() replaces buffers module by module), the head still takes the embedding's table
+    int8._apply(lambda t: t.clone())
+    assert head.weight_q8 is emb.weight_q8 and head.weight_scale is emb.weight_scale
+    assert torch.equal(emb.weight_q8, q)
+    with pytest.raises(ValueError, match="int8 model cannot be saved"):
+        save_model(int8, raw, tmp_path / "saved")
 
 
 def test_a_weight_that_is_not_finite_is_refused_at_load(tmp_path):

@@ -97,7 +97,8 @@ def parameters(cfg: ModelConfig) -> int:
 def weight_bytes(cfg: ModelConfig) -> dict[str, int]:
     """Bytes of the weights as loaded under each dtype (tied embeddings once; the loader holds each
     weight once, so this is what they take in memory), counted on the meta device; int8: the
-    projections int8 with their scales, the rest float32 (engine/model/int8.py's rule)."""
+    projections (and a tied embedding, once) int8 with their scales, the rest float32
+    (engine/model/int8.py's rule)."""
     from engine.model.hybrid import HybridModel
     from engine.model.int8 import int8_bytes, int8_weights
     from engine.model.loader import _param_dtype

@@ -9,6 +9,9 @@ with every call going through it). Leaves and blocks, which nothing hooks, skip 
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -166,25 +169,35 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     can do; oneDNN's inner product (the kernel torch's own compiler emits for CPU linears) runs
     AVX-512 there: [1024, 256] x [256, 1536] 3.7 -> 1.6 ms on 2 threads of this repo's CI
     machine (an AMD EPYC). Same fp32 arithmetic, a different summation order. oneDNN has no
-    autograd, so training keeps F.linear."""
+    autograd, so training keeps F.linear. A bf16 product of at least UPCAST_MIN_ROWS rows on a CPU
+    without bf16 hardware runs in fp32 too (`_upcast_linear`)."""
     if (ONEDNN and x.dtype is torch.float32 and w.dtype is torch.float32 and x.device.type == "cpu"
             and x.numel() != x.shape[-1] and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
             and (bias is None or bias.is_contiguous()) and not torch.is_grad_enabled()):
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if (not BF16_GEMM and x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and x.device.type == "cpu"
-            and x.numel() != x.shape[-1] and not torch.is_grad_enabled()):
+            and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1] and not torch.is_grad_enabled()):
         return _upcast_linear(x, w, bias)
     return F.linear(x, w, bias)
 
 
 def _bf16_gemm() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX), where oneDNN's bf16 GEMM
-    beats an fp32 one; without, it converts inside the GEMM at a fraction of fp32's speed."""
+    """Whether this CPU multiplies bf16 in hardware (x86: AVX-512 BF16 or AMX; Arm: the BF16
+    extension), where oneDNN's bf16 GEMM beats an fp32 one; without, it converts inside the GEMM at
+    a fraction of fp32's speed."""
     cpu = getattr(torch, "cpu", None)
-    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    if any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")):
+        return True
+    try:
+        return platform.machine() in ("aarch64", "arm64") and "bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
 
 
 BF16_GEMM = _bf16_gemm()
+# [M, 1024] x [7168, 1024] in bf16 on 2 threads of the AVX2 EPYC: the bf16 GEMM 3.1 / 6.4 / 12.3 /
+# 24.8 ms at M = 4 / 8 / 16 / 32, fp32 blocks 5.0 / 5.0 / 5.4 / 6.9 ms: the blocks win from ~7 rows
+UPCAST_MIN_ROWS = 8
 # float32 bytes of bf16 weight rows made float32 at once by `_upcast_linear` (q8.linear's block)
 UPCAST_BLOCK_BYTES = q8_reference.BLOCK_BYTES
 
@@ -194,7 +207,9 @@ def _upcast_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     time made float32 and multiplied in float32 (oneDNN's sgemm), the result rounded to bf16 once.
     The same arithmetic as the bf16 GEMM there (bf16 inputs, float32 sums, a bf16 result) in
     another summation order, at fp32's speed: a 2,048-token prefill of a Qwen3.5-0.8B-shaped model
-    ran at 13 tok/s through the bf16 GEMM on an AVX2 EPYC (docs/BENCHMARKS.md, real size)."""
+    ran at 16 tok/s through the bf16 GEMM on an AVX2 EPYC, at 80-86 tok/s this way (docs/BENCHMARKS.md,
+    real size). Below UPCAST_MIN_ROWS rows (a batched decode step) the conversion of every weight,
+    ~10 bytes moved per weight instead of 2, costs more than the slow GEMM."""
     n, k = w.shape
     xf = x.float()
     rows = max(1, UPCAST_BLOCK_BYTES // (4 * max(1, k)))

@@ -114,6 +114,16 @@ class HybridModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def _apply(self, fn, recurse: bool = True):
+        """`.to()`, `.cuda()`, ...: a tied int8 table moves once. Buffers are replaced module by
+        module, so the head would get a second copy of the embedding's int8 rows and scales (a
+        float tied weight is a shared Parameter, moved in place): it takes the embedding's again."""
+        super()._apply(fn, recurse)
+        emb, head = self.embed_tokens, self.lm_head
+        if self.config.tie_word_embeddings and emb.int8 and head.int8:
+            head._buffers["weight_q8"], head._buffers["weight_scale"] = emb.weight_q8, emb.weight_scale
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.held.device

@@ -3,14 +3,16 @@ row and group of 32 columns) and what that costs.
 
 Every projection of the decoder (attention, GDN, MLP, V4's) and the LM head is quantised at load
 from the checkpoint's own weights and held only as int8 (`direct.Linear.quantise`). Everything
-else stays float32, and so does all computation: embeddings, norms, convolutions, GDN's decay
-parameters, hyper-connections, MoE experts (stacked tensors, not Linears). A tied embedding is
-one int8 table (q8_0's way): the lookup dequantises the rows it takes and the LM head reads the
+else stays float32, and so does all computation: an untied embedding, norms, convolutions, GDN's
+decay parameters, hyper-connections, MoE experts (stacked tensors, not Linears). A tied embedding
+is one int8 table (q8_0's way): the lookup dequantises the rows it takes and the LM head reads the
 same int8 rows and scales, so a 248K x 1024 vocabulary holds 0.26 GB, not 1 GB of float32 read at
 every decode step. Kept float32 on purpose: V4's `wo_a` (read as a grouped tensor, not through
 `Linear.forward`) and Qwen's MoE router and shared-expert gate (a discrete choice of experts that
 int8 rounding could flip; small). On the CPU a decode step's one-row products take the native int8
-GEMV, a prefill's the reference's dequantise-a-block-and-multiply.
+GEMV, a prefill's the reference's dequantise-a-block-and-multiply. (So does a batched decode
+step's head of a few rows: the whole table dequantised a block at a time, every step; a native
+product of a few rows, each weight read once, is not written yet.)
 """
 
 from __future__ import annotations

@@ -414,6 +414,9 @@ def save_model(model: HybridModel, raw_config: dict, folder: str | Path) -> Path
     checkpoint layout (fused projections split back into their checkpoint tensors)."""
     from safetensors.torch import save_file
 
+    if any(getattr(mod, "int8", False) for mod in model.modules()):
+        raise ValueError("save_model: an int8 model cannot be saved (its checkpoint is its float weights); "
+                         "load them in another dtype")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
