@@ -23,6 +23,7 @@ B = 8
 MAX_LEN = 240
 _MODEL = {}
 STEPS: list[str] = []  # every rule the machines ran, for the step-count check
+HITS: list[int] = []  # the usable tokens of every run that reused the cache: the machines must exercise hits
 
 
 def _model(tmp_root):
@@ -119,6 +120,8 @@ class CacheMachine(RuleBasedStateMachine):
     def _run(self, cid: int, prompt: list[int]) -> None:
         prompt = prompt[-self.max_len:]
         run = self.engine.start(prompt)
+        if run.plan is not None and run.plan.usable_tokens > 0:
+            HITS.append(run.plan.usable_tokens)
         cold = self.oracle.start(prompt)
         diff = (run.logits - cold.logits).abs().max().item()
         if self.deterministic:
@@ -190,11 +193,13 @@ class CacheMachine(RuleBasedStateMachine):
 
 def test_cache_matches_the_no_cache_oracle_through_every_interleaving():
     STEPS.clear()
+    HITS.clear()
     run_state_machine_as_test(CacheMachine, settings=settings(
         max_examples=200 if LONG else 20, stateful_step_count=40, deadline=None, derandomize=not LONG,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     # invariants run once after initialisation and after every rule
     assert len(STEPS) >= (3000 if LONG else 300)
+    assert len(HITS) >= (1000 if LONG else 100), f"{len(HITS)} runs reused the cache"
 
 
 class DeterministicMachine(CacheMachine):
@@ -207,10 +212,12 @@ class DeterministicMachine(CacheMachine):
 
 def test_deterministic_reuse_equals_the_oracle_bit_for_bit_through_every_interleaving():
     STEPS.clear()
+    HITS.clear()
     run_state_machine_as_test(DeterministicMachine, settings=settings(
         max_examples=100 if LONG else 8, stateful_step_count=40 if LONG else 20, deadline=None, derandomize=not LONG,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     assert len(STEPS) >= (1000 if LONG else 50)
+    assert len(HITS) >= (300 if LONG else 20), f"{len(HITS)} runs reused the cache"
 
 
 def test_torch_is_deterministic_enough_for_the_oracle():
