@@ -15,6 +15,15 @@ Needs what vs_llamacpp.py needs (the optional extra and the unpacked sdist); nev
     pip install -e '.[bench-llamacpp]'         # builds llama-cpp-python from source (~15 min)
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/llsd
     tar xzf /tmp/llsd/llama_cpp_python-0.3.36.tar.gz -C /tmp/llsd
+
+or, building llama.cpp once for this and for serve_load.py's llama-server (~8 min on 2 cores):
+
+    cmake -S /tmp/llsd/llama_cpp_python-0.3.36/vendor/llama.cpp -B /tmp/llbuild -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+    cmake --build /tmp/llbuild --target llama-server llama -j2
+    CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install /tmp/llsd/llama_cpp_python-0.3.36.tar.gz numpy
+    export LLAMA_CPP_LIB_PATH=/tmp/llbuild/bin   # the binding loads the libraries built above
     python benchmarks/real_size.py --llama-src /tmp/llsd/llama_cpp_python-0.3.36
     python benchmarks/real_size.py --llama-src ... --quick --no-write   # a smoke run, a small shape
     python benchmarks/real_size.py --hcw-only --quick --no-write        # without llama.cpp: no ratios
