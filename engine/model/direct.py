@@ -81,11 +81,7 @@ class Linear(Direct, nn.Linear):
     def quantise(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         """Hold the weight as int8 from now on: `q` int8 [out, in] and `scales` float32 [out,
         ceil(in / 32)] (kernels.q8.quantise of it); the float weight is dropped."""
-        _check_q8(q, scales, self.out_features, self.in_features)
-        del self.weight
-        self.register_buffer("weight_q8", q)
-        self.register_buffer("weight_scale", scales)
-        self.int8 = True
+        _hold_int8(self, q, scales, self.out_features, self.in_features)
         self.__dict__.pop("_split_held", None)
 
     def _apply(self, fn, recurse: bool = True):
@@ -125,11 +121,7 @@ class Embedding(Direct, nn.Embedding):
 
     def quantise(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         """Hold the table as int8 from now on (Linear.quantise's rule); the float table is dropped."""
-        _check_q8(q, scales, self.num_embeddings, self.embedding_dim)
-        del self.weight
-        self.register_buffer("weight_q8", q)
-        self.register_buffer("weight_scale", scales)
-        self.int8 = True
+        _hold_int8(self, q, scales, self.num_embeddings, self.embedding_dim)
 
     @property
     def held(self) -> torch.Tensor:
@@ -138,11 +130,16 @@ class Embedding(Direct, nn.Embedding):
         return self._buffers["weight_q8"] if self.int8 else self._parameters["weight"]
 
 
-def _check_q8(q: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> None:
+def _hold_int8(mod: nn.Module, q: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> None:
+    """`mod.weight` [rows, cols] replaced by int8 `weight_q8` and float32 `weight_scale` buffers."""
     if tuple(q.shape) != (rows, cols) or q.dtype is not torch.int8:
         raise ValueError(f"quantise: int8 [{rows}, {cols}], not {q.dtype} {tuple(q.shape)}")
     if tuple(scales.shape) != (rows, q8.groups(cols)) or scales.dtype is not torch.float32:
         raise ValueError(f"quantise: float32 scales [{rows}, {q8.groups(cols)}], not {scales.dtype} {tuple(scales.shape)}")
+    del mod.weight
+    mod.register_buffer("weight_q8", q)
+    mod.register_buffer("weight_scale", scales)
+    mod.int8 = True
 
 
 def split_blocks(w: torch.Tensor, threads: int) -> torch.Tensor | None:
@@ -211,10 +208,5 @@ def _upcast_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     real size). Below UPCAST_MIN_ROWS rows (a batched decode step) the conversion of every weight,
     ~10 bytes moved per weight instead of 2, costs more than the slow GEMM."""
     n, k = w.shape
-    xf = x.float()
-    rows = max(1, UPCAST_BLOCK_BYTES // (4 * max(1, k)))
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
-    for lo in range(0, n, rows):
-        hi = min(n, lo + rows)
-        y[..., lo:hi] = linear(xf, w[lo:hi].float(), None if bias is None else bias[lo:hi].float())
-    return y
+    return q8_reference.block_linear(x, n, k, lambda lo, hi: w[lo:hi].float(), bias, linear,
+                                     out_dtype=torch.bfloat16, block_bytes=UPCAST_BLOCK_BYTES)

@@ -65,12 +65,24 @@ def linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.T
     rows (BLOCK_BYTES of float32) dequantised and multiplied at a time by `product` (F.linear's
     signature: the engine passes its CPU GEMM)."""
     n, k = q.shape
+    return block_linear(x, n, k, lambda lo, hi: dequantise(q[lo:hi], scales[lo:hi]), bias, product)
+
+
+def block_linear(x: torch.Tensor, n: int, k: int, weight_rows: Callable[[int, int], torch.Tensor],
+                 bias: torch.Tensor | None = None, product: Callable[..., torch.Tensor] = F.linear,
+                 out_dtype: torch.dtype = torch.float32, block_bytes: int | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in `out_dtype`, W [N, K] never whole in float32:
+    `weight_rows(lo, hi)` makes rows lo..hi of it float32, `block_bytes` (BLOCK_BYTES) of them at
+    a time, each block multiplied in float32 by `product` (also direct.py's bf16 product on a CPU
+    without bf16 hardware)."""
     xf = x.float()
-    rows = max(1, BLOCK_BYTES // (4 * max(1, k)))
+    b = None if bias is None else bias.float()
+    rows = max(1, (BLOCK_BYTES if block_bytes is None else block_bytes) // (4 * max(1, k)))
     if rows >= n:
-        return product(xf, dequantise(q, scales), None if bias is None else bias.float())
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device=x.device)
+        y = product(xf, weight_rows(0, n), b)
+        return y if out_dtype is torch.float32 else y.to(out_dtype)
+    y = torch.empty(*x.shape[:-1], n, dtype=out_dtype, device=x.device)
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
-        y[..., lo:hi] = product(xf, dequantise(q[lo:hi], scales[lo:hi]), None if bias is None else bias[lo:hi].float())
+        y[..., lo:hi] = product(xf, weight_rows(lo, hi), None if b is None else b[lo:hi])
     return y
