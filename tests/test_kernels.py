@@ -245,11 +245,20 @@ def test_a_qwen_model_gives_the_same_logits_with_the_gdn_kernels_forced(monkeypa
         steps = [model(ids[:, :37], state, last_only=True)] + [model(ids[:, i:i + 1], state) for i in range(37, 40)]
         return model(ids), torch.cat(steps, dim=1)
 
+    def kept():  # the states a prefill keeps at marked positions inside its pass (the cache's snapshots)
+        state = model.new_state()
+        state.mark((9, 16, 30))
+        model(ids[:, :37], state, last_only=True)
+        return [t for layer in state.layers if hasattr(layer, "kept") for p in (9, 16, 30) for t in layer.kept[p]]
+
     with torch.no_grad():
-        expected = run()
+        expected, expected_kept = run(), kept()
         dispatch.select("triton")
-        forced = run()
+        forced, forced_kept = run(), kept()
     for a, b in zip(forced, expected):
+        assert (a - b).abs().max().item() <= 1e-4
+    assert len(forced_kept) == len(expected_kept) == 3 * 3 * 2  # 3 GDN layers, 3 positions, (recurrent, conv)
+    for a, b in zip(forced_kept, expected_kept):
         assert (a - b).abs().max().item() <= 1e-4
 
 
@@ -400,33 +409,47 @@ def test_paged_prefill_kernel_matches_the_reference(b, t, h, hkv, bs, d, lengths
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_states_at_cuts_are_those_of_calls_that_end_there(kernels):
     """chunk_gated_delta_at yields the state after each cut: what a call ending there returns (what
-    a prefill stopping at a segment boundary gets) to the bit from the Triton kernel, which runs
-    the pieces, and up to rounding from the reference's one scan, whose output and final state
-    are the uncut call's to the bit."""
+    a prefill stopping at a segment boundary gets) up to rounding, from one pass whose output and
+    final state are the uncut call's to the bit, the reference's scan and the Triton kernel alike."""
     from kernels.gated_delta import chunk_gated_delta, chunk_gated_delta_at
 
     dispatch.select(kernels)
     q, k, v, g, beta, s0 = _inputs(1, 53, 2, 4, 16, 16, torch.float32, seed=9)
     cuts = [5, 16, 40]
     o, final, states = chunk_gated_delta_at(q, k, v, g, beta, s0, cuts)
-    state, pieces = s0, []
-    for lo, hi in zip([0, *cuts], [*cuts, 53]):
-        piece, state = chunk_gated_delta(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state)
-        pieces.append(piece)
-        if hi < 53:
-            got = states[cuts.index(hi)]
-            assert torch.equal(got, state) if kernels == "triton" else _rel(got, state) < 1e-5
+    state = s0
+    for lo, hi in zip([0, *cuts], cuts):
+        _, state = chunk_gated_delta(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state)
+        assert _rel(states[cuts.index(hi)], state) < 1e-5
     assert len(states) == 3
     whole_o, whole_s = chunk_gated_delta(q, k, v, g, beta, s0)
-    if kernels == "triton":
-        assert torch.equal(final, state) and torch.equal(o, torch.cat(pieces, dim=1))
-        assert _rel(o, whole_o) < 1e-5 and _rel(final, whole_s) < 1e-5
-    else:
-        assert torch.equal(o, whole_o) and torch.equal(final, whole_s)
+    assert torch.equal(o, whole_o) and torch.equal(final, whole_s)
     assert chunk_gated_delta_at(q, k, v, g, beta, s0)[2] == []
     for bad in ([0], [53], [16, 5], [7, 7]):
         with pytest.raises(ValueError, match="cuts"):
             chunk_gated_delta_at(q, k, v, g, beta, s0, bad)
+
+
+@pytest.mark.parametrize("cuts", [[1, 2, 15, 16, 17, 31, 32, 45], [33], [9, 47]])
+def test_triton_kernel_emits_states_inside_its_chunks(cuts):
+    """The Triton kernel keeps the state at any cut from inside the program that carries it: several
+    in one of its 16-token chunks, at a chunk's first and last token, one token in; on two batch
+    rows, a value block narrower than Dv and grouped key heads. Its output and final state are the
+    uncut kernel's to the bit; a state at a chunk's last token is the carried state itself."""
+    from kernels.gated_delta import reference as ref
+    from kernels.gated_delta.triton_chunk import chunk_gated_delta, chunk_gated_delta_emitting
+
+    q, k, v, g, beta, s0 = _inputs(2, 47, 1, 2, 16, 40, torch.float32, seed=13)
+    o, final, states = chunk_gated_delta_emitting(q, k, v, g, beta, s0, cuts, block_v=16)
+    whole_o, whole_s = chunk_gated_delta(q, k, v, g, beta, s0, block_v=16)
+    assert torch.equal(o, whole_o) and torch.equal(final, whole_s) and len(states) == len(cuts)
+    for cut, got in zip(cuts, states):
+        _, want = ref.chunk_gated_delta(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], s0)
+        assert torch.isfinite(got).all() and _rel(got, want) < 1e-5, cut
+        if cut % 16 == 0:  # the state the kernel carries into the next chunk
+            head = (x[:, :cut].contiguous() for x in (q, k, v, g, beta))
+            _, carried = chunk_gated_delta(*head, s0, block_v=16)
+            assert torch.equal(got, carried)
 
 
 @pytest.mark.parametrize("cuts", [[10, 74, 202], [1, 16, 63, 64, 65, 130], [229]])

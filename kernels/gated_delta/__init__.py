@@ -3,8 +3,8 @@
 Both forms dispatch (kernels.dispatch): the Triton kernel on CUDA, the torch reference on CPU or
 with kernels "reference". `chunk_gated_delta_at` is the chunked form that also yields the state
 at given offsets inside the sequence (the prefix cache's boundary snapshots), so the model's
-forward pass need not stop there: the reference's scan yields them on its own chunk grid, so the
-pass computes what it computes without them.
+forward pass need not stop there: the reference's scan and the Triton kernel yield them on their
+own chunk grids, so the pass computes what it computes without them.
 """
 
 from collections.abc import Sequence
@@ -33,21 +33,17 @@ def chunk_gated_delta(q, k, v, g, beta, initial_state=None):
 
 def chunk_gated_delta_at(q, k, v, g, beta, initial_state=None, cuts: Sequence[int] = ()):
     """(o, final state, [the state after token c for each c in cuts]; cuts strictly inside the
-    sequence, increasing). The reference takes them from its one scan, on the chunk grid it runs
-    without cuts (o and the final state those of `chunk_gated_delta` to the bit; a state at a cut
-    inside a chunk equal up to rounding to what a call ending there returns). The Triton kernel
-    runs the rule over the pieces between the cuts."""
+    sequence, increasing). Both forms take them from their one pass, on the chunk grid they run
+    without cuts: o and the final state are those of `chunk_gated_delta` to the bit, and a state
+    at a cut inside a chunk equals up to rounding what a call ending there returns."""
     t = q.shape[1]
     if any(not 0 < c < t for c in cuts) or list(cuts) != sorted(set(cuts)):
         raise ValueError(f"cuts must increase strictly inside the sequence (0, {t}), got {list(cuts)}")
-    if not use_triton(q, k, v):
-        return reference.chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts)
-    outs, states, state = [], [], initial_state
-    for lo, hi in zip([0, *cuts], [*cuts, t]):
-        o, state = chunk_gated_delta(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], state)
-        outs.append(o)
-        states.append(state)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state, states[:-1]
+    if use_triton(q, k, v):
+        from kernels.gated_delta.triton_chunk import chunk_gated_delta_emitting as kernel
+
+        return kernel(*_dense(q, k, v, g, beta, initial_state), list(cuts))
+    return reference.chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts)
 
 
 def _dense(q, k, v, g, beta, initial_state):
