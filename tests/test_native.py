@@ -401,3 +401,55 @@ def test_native_off_and_a_bad_setting(monkeypatch):
         EngineConfig.from_env({"HCW_NATIVE": "yes"})
     with pytest.raises(ValueError, match="yes"):
         dispatch.select(native="yes")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prefill_decay_statistics_match_the_torch_path(batch, monkeypatch):
+    """A cached prefill's decay statistics (GDNState.record over a chunk) from the C scan against the
+    torch path's logcumsumexp: the same rows within float rounding, chunk after chunk and then a
+    decode token, from a start with a norm already carried; strong decays (g down to -60 a token,
+    where exp(-cumsum) alone would overflow) included. The scan writes the rows and a new norm,
+    never the old norm tensor."""
+    from kernels.native import decay_scan
+
+    scans = []
+    real = decay_scan.decay_scan
+    monkeypatch.setattr(decay_scan, "decay_scan", lambda *a: scans.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(3)
+    states = [GDNState.zeros(batch, 8, 4, 3, 2, 2, torch.float32, "cpu") for _ in range(2)]
+    for s in states:
+        s.tracking = True
+        s.norm = torch.full((batch, 3), 0.5, dtype=torch.float64)
+    start = 0
+    for t in (37, 64, 200, 1):
+        g = -torch.rand(batch, t, 3, generator=gen) * torch.tensor([0.5, 4.0, 60.0])
+        x = torch.rand(batch, t, 3, generator=gen) * 3
+        for s, path in zip(states, ("auto", "reference")):
+            dispatch.select(path)
+            old = s.norm
+            before = old.clone()
+            with torch.no_grad():
+                s.record(start, g, x)
+            assert torch.equal(old, before)
+        start += t
+    c, ref = states
+    assert len(scans) == 3  # the three chunks in C; the decode token takes the torch recurrence
+    assert c.stats_end == ref.stats_end == start
+    assert torch.allclose(c.stats[:, :start], ref.stats[:, :start], rtol=1e-6, atol=0)
+    assert torch.allclose(c.norm, ref.norm, rtol=1e-12, atol=0)
+    assert torch.equal(c.stats[:, :start, :, 0], ref.stats[:, :start, :, 0])
+
+
+def test_the_decay_scan_leaves_other_inputs_to_torch():
+    from kernels.native import decay_scan
+
+    g, x, norm = -torch.rand(1, 9, 3), torch.rand(1, 9, 3), torch.zeros(1, 3, dtype=torch.float64)
+    rows = torch.zeros(1, 9, 3, 2)
+    with torch.no_grad():
+        assert decay_scan.applies(g, x, norm, rows)
+        assert not decay_scan.applies(g.double(), x, norm, rows)
+        assert not decay_scan.applies(g, x, norm.float(), rows)
+        assert not decay_scan.applies(g.transpose(1, 2).contiguous().transpose(1, 2), x, norm, rows)
+        assert not decay_scan.applies(g, x, norm, torch.zeros(1, 9, 3, 3))
+        dispatch.select("reference")
+        assert not decay_scan.applies(g, x, norm, rows)

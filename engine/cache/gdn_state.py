@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 
 from engine.cache.states import Kind, Piece, StateObject, per_token, tensor_bytes
+from kernels.native import decay_scan
 
 
 STAT_STRIDE = 16  # tokens per cached decay statistic: Tail-Replay restarts at multiples of it
@@ -94,6 +95,13 @@ class GDNState:
             return
         if start != self.stats_end:
             return
+        rows = self._stats_rows(g.shape[1])
+        if g.shape[1] > 1:
+            norm = self.norm.clone()  # the kernel carries it in place; the old one may be held elsewhere
+            if decay_scan.applies(g, x, norm, rows):  # the recurrence as a plain scan in C
+                decay_scan.decay_scan(g, x, norm, rows, 1 + 1e-6)
+                self.norm = norm
+                return
         if g.shape[1] == 1:  # decode: the recurrence itself, three small ops
             n = self._next_norm(g, x).unsqueeze(1)
         else:
@@ -103,7 +111,6 @@ class GDNState:
             tail = torch.logcumsumexp(torch.log(x64.clamp_min(1e-300)) - cum, dim=1)
             n = (torch.exp(cum) * self.norm[:, None] + torch.exp(cum + tail)) * (1 + 1e-6)
         # (rounding up by 1e-6 keeps N an upper bound after float32 storage)
-        rows = self._stats_rows(g.shape[1])
         rows[..., 0] = g
         rows[..., 1] = n.float()
         self.norm = n[:, -1]
