@@ -126,13 +126,16 @@ class StateTable:
         return rec
 
     def _account(self, rec: SegmentRecord, pieces: dict[PieceKey, Piece], sign: int) -> None:
+        by_kind: dict[str, int] = {}
         for (_, kind), p in pieces.items():
-            n = sign * p.nbytes()
-            if rec.tier == "host":
-                self.host_used += n
-            else:
-                self.used += n
-            self.group_used[self.group_of(kind)] += n
+            by_kind[kind] = by_kind.get(kind, 0) + p.nbytes()
+        total = sign * sum(by_kind.values())
+        if rec.tier == "host":
+            self.host_used += total
+        else:
+            self.used += total
+        for kind, n in by_kind.items():
+            self.group_used[self.group_of(kind)] += sign * n
 
     def drop(self, key: bytes, predicate) -> None:
         rec = self.records.get(key)

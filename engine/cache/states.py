@@ -93,8 +93,10 @@ class Piece:
     position: int = -1  # the token position the piece ends at / describes; stamped when cached
 
     def nbytes(self) -> int:
-        items = self.data if isinstance(self.data, tuple) else (self.data,)
-        return sum(tensor_bytes(t) for t in items if t is not None)
+        data = self.data
+        if isinstance(data, tuple):
+            return sum(t.nbytes for t in data if t is not None)
+        return 0 if data is None else data.nbytes
 
 
 class LayerState(Protocol):
@@ -124,7 +126,7 @@ def clone_tree(x):
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    return 0 if t is None else t.nbytes
 
 
 def per_token(layer: int, kind: str, t: torch.Tensor, first: int, dim: int = 1) -> StateObject:
