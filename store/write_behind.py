@@ -181,6 +181,13 @@ class WriteBehind:
 
 
 def _detached(data):
+    """A tensor of its own over `data`'s storage, holding `data` itself: a block pool's view keeps its
+    blocks held until it is collected (BlockPool.view), so while the save is queued the cache may
+    evict the piece, but the pool cannot hand its blocks to a new sequence and overwrite them."""
     if isinstance(data, tuple):
         return tuple(_detached(t) for t in data)
-    return data.detach() if isinstance(data, torch.Tensor) else data
+    if not isinstance(data, torch.Tensor):
+        return data
+    own = data.detach()
+    own._hcw_holds = data
+    return own

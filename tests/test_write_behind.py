@@ -205,3 +205,39 @@ def test_the_writer_reads_the_saved_storage_even_if_the_callers_view_is_re_point
     got, why = DiskTier(tmp_path / "w.db", LAYOUT).load(b"m" * 16)
     assert why is None and torch.equal(got[(1, "recurrent")][1], want)
     wb.close()
+
+
+
+def test_a_queued_save_holds_its_pool_blocks_after_the_cache_lets_the_piece_go(tmp_path, blocked_writer):
+    """Paged KV: a saved piece is a block pool's view, which holds its blocks until it is collected.
+    The cache may evict the piece while its save is queued; the queue still holds the blocks, so the
+    pool cannot give them to a new sequence that overwrites them, and the writer writes the bytes
+    that were saved. Once written, the blocks are free again."""
+    import gc
+
+    from engine.cache.block_pool import BlockPool
+
+    pool = BlockPool(2, 8, torch.float32, "cpu", page=16)
+    first = pool.alloc()
+    pool.k[first].copy_(torch.randn(2, 16, 8))
+    pool.v[first].copy_(torch.randn(2, 16, 8))
+    want = (pool.k[first].clone(), pool.v[first].clone())
+    view = pool.view(first)
+    pool.release(first)  # the sequence that wrote the block is gone: the view alone holds it
+    wb = WriteBehind(tmp_path / "w.db", LAYOUT)
+    assert wb.save(b"p" * 16, b"\x00" * 16, 0, bytes(8 * 16), LAYOUT, {(0, "kv"): (True, view, 16)}) == (True, None)
+    del view
+    gc.collect()  # the cache evicted the piece
+    assert pool.refs[first] > 0  # still held, by the queued save
+    other = pool.alloc()
+    assert other != first
+    pool.k[other].fill_(7.0)
+    pool.v[other].fill_(7.0)
+    blocked_writer.set()
+    assert wb.flush(timeout=30)
+    got, why = DiskTier(tmp_path / "w.db", LAYOUT).load(b"p" * 16)
+    assert why is None
+    assert torch.equal(got[(0, "kv")][1][0][0], want[0]) and torch.equal(got[(0, "kv")][1][1][0], want[1])
+    wb.close()
+    gc.collect()
+    assert pool.refs[first] == 0  # written and dropped: the block is free
