@@ -443,6 +443,8 @@ def test_triton_kernel_emits_states_inside_its_chunks(cuts):
     o, final, states = chunk_gated_delta_emitting(q, k, v, g, beta, s0, cuts, block_v=16)
     whole_o, whole_s = chunk_gated_delta(q, k, v, g, beta, s0, block_v=16)
     assert torch.equal(o, whole_o) and torch.equal(final, whole_s) and len(states) == len(cuts)
+    # each its own tensor: the cache keeps some snapshots and drops others
+    assert len({s.untyped_storage().data_ptr() for s in states}) == len(states)
     for cut, got in zip(cuts, states):
         _, want = ref.chunk_gated_delta(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], s0)
         assert torch.isfinite(got).all() and _rel(got, want) < 1e-5, cut

@@ -451,5 +451,6 @@ def test_the_decay_scan_leaves_other_inputs_to_torch():
         assert not decay_scan.applies(g, x, norm.float(), rows)
         assert not decay_scan.applies(g.transpose(1, 2).contiguous().transpose(1, 2), x, norm, rows)
         assert not decay_scan.applies(g, x, norm, torch.zeros(1, 9, 3, 3))
+        assert not decay_scan.applies(g[:0], x[:0], norm[:0], rows[:0])  # no rows at all
         dispatch.select("reference")
         assert not decay_scan.applies(g, x, norm, rows)

@@ -96,12 +96,9 @@ class GDNState:
         if start != self.stats_end:
             return
         rows = self._stats_rows(g.shape[1])
-        if g.shape[1] > 1:
-            norm = self.norm.clone()  # the kernel carries it in place; the old one may be held elsewhere
-            if decay_scan.applies(g, x, norm, rows):  # the recurrence as a plain scan in C
-                decay_scan.decay_scan(g, x, norm, rows, 1 + 1e-6)
-                self.norm = norm
-                return
+        if g.shape[1] > 1 and decay_scan.applies(g, x, self.norm, rows):  # the recurrence as a plain scan in C
+            self.norm = decay_scan.decay_scan(g, x, self.norm, rows, 1 + 1e-6)
+            return
         if g.shape[1] == 1:  # decode: the recurrence itself, three small ops
             n = self._next_norm(g, x).unsqueeze(1)
         else:

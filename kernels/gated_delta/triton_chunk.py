@@ -140,4 +140,5 @@ def chunk_gated_delta_emitting(q, k, v, g, beta, initial_state, cuts, chunk_size
                                                  b * hv * dk * dv, HK=hk, HV=hv, DK=dk, DV=dv, C=chunk_size,
                                                  BK=max(16, triton.next_power_of_2(dk)), BV=bv,
                                                  HAS_S0=initial_state is not None, EMIT=bool(cuts))
-    return out, final, list(states.unbind(0)) if cuts else []
+    # a tensor of its own for each: the cache keeps some and drops others, and a view would hold them all
+    return out, final, [s.clone() for s in states.unbind(0)] if cuts else []
