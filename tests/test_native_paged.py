@@ -57,6 +57,35 @@ def test_the_kernel_matches_the_reference(dtype, tol, heads, kv_heads, head_dim,
     assert _rel(got, expected) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 100])
+def test_the_block_size_does_not_change_the_bits(dtype, window):
+    """The same keys and values in pools of 8, 16, 64 and 128 positions a block (a prefix cache's pool
+    and an engine's): the same output to the bit, also split into partitions (1,100 positions) and
+    under a window, so a bit-exact hit equals a cold prefill whichever pool either ran in."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [1100, 77, 64]
+    n = max(lengths)
+    keys, values = (torch.randn(3, 2, n, 16, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(3, 4, 16, generator=g).to(dtype)
+    outs = []
+    for page in (8, 16, 64, 128):
+        blocks = -(-n // page)
+        # each sequence's blocks out of order in one pool: [3 * blocks, 2, page, 16]
+        order = torch.randperm(3 * blocks, generator=g)
+        pools = [torch.zeros(3 * blocks, 2, page, 16, dtype=dtype) for _ in range(2)]
+        for src, pool in zip((keys, values), pools):
+            padded = torch.nn.functional.pad(src, (0, 0, 0, blocks * page - n))  # [3, 2, blocks * page, 16]
+            pool[order] = padded.unflatten(2, (blocks, page)).permute(0, 2, 1, 3, 4).reshape(3 * blocks, 2, page, 16)
+        table = order.view(3, blocks).int()
+        args = (q, *pools, table, torch.tensor(lengths, dtype=torch.int32))
+        with torch.no_grad():
+            assert native_paged.applies(*args)
+            outs.append(native_paged.paged_decode(*args, window=window))
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 @pytest.mark.parametrize("window", [1, 37, 64, 600], ids=["w1", "w37", "w64", "w600-past-the-start"])
 @pytest.mark.parametrize("page", [16, 64], ids=["page16", "page64"])
 def test_a_sliding_window_attends_to_its_last_positions_only(window, page):

@@ -16,7 +16,8 @@
  * and window, never on the thread count, and each is computed whole by one thread in one order,
  * so the result does not depend on the thread count (nor on the other sequences of the batch).
  * The partitions are split over `threads` OpenMP threads (torch's own pool, as gemv.c's).
- * Positions are taken in tiles of at most TILE rows of one block: the tile's scores, then the
+ * Positions are taken in tiles of TILE positions (at multiples of TILE, whatever the block size, so
+ * the result's bits do not depend on it): the tile's scores, then the
  * running (max, sum, weighted values) of kernels/online_softmax.py folded in float32, so no row
  * of scores is ever stored. Where D is a multiple of 8 the products run on 8-float vectors (the
  * compilers' vector extension): scores 8 rows at a time, their partial sums reduced together by
@@ -230,29 +231,43 @@ static void attend(const void *p_q, const void *p_k, const void *p_v, const int3
     const int G = H / HKV;
     const long row = (long)BS * D, block = (long)HKV * row;
     float qs[G * D];
-    float kt[bf16 ? TILE * D : 1], vt[bf16 ? TILE * D : 1];
+    /* scratch for a tile that is bf16 or spans blocks (BS not a multiple of TILE) */
+    const int scratch = bf16 || BS % TILE;
+    float kt[scratch ? TILE * D : 1], vt[scratch ? TILE * D : 1];
     const long at = ((long)b * H + (long)h * G) * D;  /* the group's first query head */
     if (bf16) widen((const uint16_t *)p_q + at, qs, (long)G * D);
     else memcpy(qs, (const float *)p_q + at, sizeof(float) * G * D);
     for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
     memset(acc, 0, sizeof(float) * G * D);
-    for (long j = from / BS; j < (to + BS - 1) / BS; j++) {
-        const long off = (long)p_table[b * M + j] * block + (long)h * row;
-        const long first = j * BS, start = from > first ? from - first : 0;
-        const long end = to < first + BS ? to - first : BS;
-        for (long t = start; t < end; t += TILE) {
-            const int cnt = (int)(end - t < TILE ? end - t : TILE);
-            const float *k, *v;
-            if (bf16) {
-                widen((const uint16_t *)p_k + off + t * D, kt, (long)cnt * D);
-                widen((const uint16_t *)p_v + off + t * D, vt, (long)cnt * D);
-                k = kt, v = vt;
-            } else {
-                k = (const float *)p_k + off + t * D;
-                v = (const float *)p_v + off + t * D;
+    /* tiles at multiples of TILE positions (the first from `from`), whatever the block size: the
+     * folds, and so the result's bits, are those of any other block size */
+    for (long t = from; t < to;) {
+        const long tile_end = (t / TILE + 1) * TILE < to ? (t / TILE + 1) * TILE : to;
+        const int cnt = (int)(tile_end - t);
+        const float *k, *v;
+        if (!bf16 && t / BS == (tile_end - 1) / BS) {  /* f32 rows of one block: read in place */
+            const long j = t / BS;
+            const long off = (long)p_table[b * M + j] * block + (long)h * row + (t - j * BS) * D;
+            k = (const float *)p_k + off;
+            v = (const float *)p_v + off;
+        } else {  /* gathered block by block into the scratch, widened where bf16 */
+            for (long u = t; u < tile_end;) {
+                const long j = u / BS, stop = (j + 1) * BS < tile_end ? (j + 1) * BS : tile_end;
+                const long off = (long)p_table[b * M + j] * block + (long)h * row + (u - j * BS) * D;
+                const long n = (stop - u) * D, at_tile = (u - t) * D;
+                if (bf16) {
+                    widen((const uint16_t *)p_k + off, kt + at_tile, n);
+                    widen((const uint16_t *)p_v + off, vt + at_tile, n);
+                } else {
+                    memcpy(kt + at_tile, (const float *)p_k + off, sizeof(float) * n);
+                    memcpy(vt + at_tile, (const float *)p_v + off, sizeof(float) * n);
+                }
+                u = stop;
             }
-            fold(qs, k, v, cnt, G, D, scale, m, l, acc);
+            k = kt, v = vt;
         }
+        fold(qs, k, v, cnt, G, D, scale, m, l, acc);
+        t = tile_end;
     }
 }
 
