@@ -33,7 +33,7 @@ class EngineConfig:
     # "What exact means"); prefill then runs at decode's speed
     deterministic: bool = False
     # full attention's KV: dense (one buffer, read by scaled_dot_product_attention), paged (a block
-    # pool read by the paged-attention kernels) or auto: paged on CUDA, dense elsewhere. The engine
+    # pool read by the paged-attention kernels) or auto (paged, on the CPU too). The engine
     # sets it on its model; a PrefixCache assembles states of the layout its model had when it was
     # made, so an entry point with a cache sets it on the model first (ChatSession does)
     kv_layout: str | None = None

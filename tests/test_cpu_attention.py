@@ -89,6 +89,7 @@ def test_it_applies_to_long_cpu_fp32_products_outside_autograd_only():
 
 def test_a_prefill_through_it_gives_the_logits_of_torchs_kernel(monkeypatch, small_blocks):
     model = init_random(HybridModel(ModelConfig.from_dict(qwen3_5_text_dict(hidden=64, layers=4, attn_every=2))), 0).eval()
+    model.use_kv_layout("dense")  # (the paged layout's chunks: tests/test_paged_kv.py)
     ids = torch.randint(0, model.config.vocab_size, (230,), generator=torch.Generator().manual_seed(1)).tolist()
     monkeypatch.setattr(cpu_attention, "MIN_PAIRS", 0)
     monkeypatch.setattr(cpu_attention, "MIN_QUERIES", 1)

@@ -108,10 +108,10 @@ def test_an_engine_refuses_a_layout_its_cache_does_not_assemble():
     from engine.model.loader import load_model
 
     model = load_model("hcw-tiny")
-    cache = PrefixCache(model, CacheConfig(block_size=16))
+    cache = PrefixCache(model, CacheConfig(block_size=16))  # the default layout: paged
     with pytest.raises(ValueError, match="set the layout on the model before making its cache"):
-        Engine(model, EngineConfig(kv_layout="paged"), cache=cache)
-    bound = EngineConfig(kv_layout="paged").bind(model)
+        Engine(model, EngineConfig(kv_layout="dense"), cache=cache)
+    bound = EngineConfig(kv_layout="dense").bind(model)
     Engine(model, bound, cache=PrefixCache(model, CacheConfig(block_size=16)))  # made after: they agree
     with pytest.raises(ValueError, match="KV layout 'pagd'"):
         model.use_kv_layout("pagd")

@@ -237,6 +237,7 @@ def _attention(heads, kv_heads, head_dim, partial, bias=False, seed=0):
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    layer.kv_choice = "dense"  # a dense buffer (the paged layout's kernel: tests/test_native_paged.py)
     return layer.eval()
 
 

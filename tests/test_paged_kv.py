@@ -80,10 +80,10 @@ def test_assemble_and_export_move_whole_blocks_through_the_segment_kernels(monke
     assert all(t.untyped_storage().data_ptr() not in pools for t in got)  # copies, never views of the pool
 
 
-def test_kv_layout_is_dense_on_cpu_unless_asked_and_refuses_a_bad_value():
-    assert kv_layout("auto", "cpu") == "dense" and kv_layout("auto", "cuda") == "paged"
+def test_kv_layout_is_paged_unless_asked_and_refuses_a_bad_value():
+    assert kv_layout("auto", "cpu") == "paged" and kv_layout("auto", "cuda") == "paged"
     assert EngineConfig.from_env({}).kv_layout is None  # unset: the model's own (auto)
-    assert kv_layout(EngineConfig.from_env({"HCW_KV": "paged"}).kv_layout, "cpu") == "paged"
+    assert kv_layout(EngineConfig.from_env({"HCW_KV": "dense"}).kv_layout, "cpu") == "dense"
     with pytest.raises(ValueError, match="HCW_KV"):
         EngineConfig.from_env({"HCW_KV": "pagd"})
 

@@ -113,11 +113,11 @@ def kv_layout(choice: str, device) -> str:
     """How full-attention layers keep keys and values (EngineConfig.kv_layout): dense (one buffer
     per layer, read by scaled_dot_product_attention), paged (blocks of the layer's pool shared by
     every state and the prefix cache, through a block table: a hit maps cached blocks, read in place
-    by the paged-attention kernels, Triton on CUDA and kernels/native on the CPU), or auto: paged on
-    CUDA, dense elsewhere until paged costs a CPU prefill and decode step at most 3% (docs/BENCHMARKS.md,
+    by the paged-attention kernels, Triton on CUDA and kernels/native on the CPU), or auto: paged,
+    on the CPU too since it costs a CPU prefill and decode step nothing measurable (docs/BENCHMARKS.md,
     "Dense vs paged KV on the CPU")."""
     if choice == "auto":
-        return "paged" if torch.device(device).type == "cuda" else "dense"
+        return "paged"
     if choice not in ("dense", "paged"):
         raise ValueError(f"KV layout {choice!r}; one of auto, dense, paged")
     return choice

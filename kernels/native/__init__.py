@@ -4,7 +4,8 @@ A decode step at the sizes hcw runs on a CPU is mostly dispatch: each torch op c
 whatever its size, and a Gated DeltaNet layer between its two projections is ~50 of them. The C
 here does that stretch in one call (through ctypes; no torch headers, so a build takes well under a
 second); `paged_decode` attends through a block table where the torch path gathers the blocks
-first. Each kernel's reference is the torch path it replaces, which stays the path wherever the
+first; `decay_scan` is the one prefill kernel, a cached request's GDN decay statistics as a plain
+scan. Each kernel's reference is the torch path it replaces, which stays the path wherever the
 kernel does not apply (CUDA, other dtypes, kernels "reference") and which the tests compare it
 with. The choice is kernels/dispatch.py's `native` (EngineConfig.native; the CLI maps HCW_NATIVE):
 
