@@ -55,6 +55,29 @@ def test_saving_a_whole_page_pins_its_blocks_and_letting_the_piece_go_unpins_the
     assert [pool.refs[r] for r in runs] == [0, 0, 0] and sorted(pool.free) == sorted(runs)
 
 
+def test_a_run_of_segments_exported_at_once_is_what_one_export_each_gives():
+    """The writer exports a forward pass's segments in one call (`export_segments`): whole pages as
+    views of their own blocks, each holding its block until it is let go, a part of a page as a
+    copy; the same pieces, bytes and holds as one `export` per segment."""
+    pool = _pool()
+    state = _filled(3 * PAGE + 5, pool)
+    bounds = [(0, PAGE), (PAGE, 2 * PAGE), (2 * PAGE, 3 * PAGE), (3 * PAGE, 3 * PAGE + 5)]
+    together = state.export_segments(bounds, [True] * 4, [False] * 4)
+    one_by_one = [state.export(lo, hi) for lo, hi in bounds]
+    for a, b, run in zip(together, one_by_one, state.runs):
+        assert all(torch.equal(x, y) for x, y in zip(a["kv"].data, b["kv"].data))
+    for piece, run in zip(together[:3], state.runs):
+        assert piece["kv"].data[0].data_ptr() == pool.k[run].data_ptr()  # views of the blocks
+    assert together[3]["kv"].data[0].untyped_storage().data_ptr() != pool.k.untyped_storage().data_ptr()
+    assert [pool.refs[r] for r in state.runs] == [5, 5, 5, 1]  # the state, two views each way
+    del one_by_one, a, b
+    gc.collect()
+    assert [pool.refs[r] for r in state.runs] == [3, 3, 3, 1]
+    del together, piece
+    gc.collect()
+    assert [pool.refs[r] for r in state.runs] == [1, 1, 1, 1]
+
+
 def test_a_hit_maps_the_cached_blocks_and_a_write_into_a_shared_one_copies_it_first():
     """assemble maps pieces that are views of its pool (no bytes copied); a state resumed inside a
     mapped block (seq_len past its start) copies that block before writing: the cached bytes

@@ -167,15 +167,20 @@ class BlockPool:
     def view(self, first: int, n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The run's keys and values, [n, Hkv, page, D] each, not copies: each holds the run until it
         is collected."""
-        with self._lock:
-            return self._view(first, n)
+        return self.views([first], n)[0]
 
-    def _view(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = (_based_on_nothing(self.k, first, n), _based_on_nothing(self.v, first, n))
-        for t in out:
-            self.share(first, n)
-            self._views[id(t)] = weakref.ref(t)
-            weakref.finalize(t, self._collected, id(t), first, n)
+    def views(self, firsts: list[int], n: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`view` of each run in `firsts` (a saved request's segments, one call for all of them)."""
+        out = []
+        with self._lock, torch.inference_mode(False), torch.no_grad():
+            for first in firsts:
+                pair = (_based_on_nothing(self.k, first, n), _based_on_nothing(self.v, first, n))
+                for t in pair:
+                    self.share(first, n)
+                    # the weak reference's callback gives the hold back when the view is collected
+                    key = id(t)
+                    self._views[key] = weakref.ref(t, lambda _, key=key, first=first: self._collected(key, first, n))
+                out.append(pair)
         return out
 
     def _collected(self, key: int, first: int, n: int) -> None:
@@ -228,10 +233,10 @@ class BlockPool:
 def _based_on_nothing(pool: torch.Tensor, first: int, n: int) -> torch.Tensor:
     """pool[first:first + n] on the pool's storage without being a view of the pool tensor: a
     slice's `_base` would keep that tensor (and, after a growth, its old storage) alive for as long
-    as the slice lives, whatever `_grow` moves it onto."""
-    with torch.inference_mode(False), torch.no_grad():
-        t = torch.empty(0, dtype=pool.dtype, device=pool.device)
-        return t.set_(pool.untyped_storage(), first * pool[0].numel(), (n, *pool.shape[1:]), pool.stride())
+    as the slice lives, whatever `_grow` moves it onto. Call it outside inference mode and autograd
+    (`views` does, once for all its views)."""
+    t = torch.empty(0, dtype=pool.dtype, device=pool.device)
+    return t.set_(pool.untyped_storage(), first * pool[0].numel(), (n, *pool.shape[1:]), pool.stride())
 
 
 def release_runs(pool: BlockPool, runs: list[int], batch: int) -> None:

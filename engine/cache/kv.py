@@ -317,10 +317,15 @@ class PagedKVState(_SlicedByPosition):
     def export(self, lo: int, hi: int, snapshots: bool = True) -> dict[str, Piece]:
         """A whole page held: a view of its blocks, which it holds until the piece lets go; any
         other range: a copy."""
+        return self.export_segments([(lo, hi)], [snapshots], [False])[0]
+
+    def export_segments(self, bounds: list[tuple[int, int]], snapshots: list[bool],
+                        sketches: list[bool]) -> list[dict[str, Piece]]:
+        """export() for each of `bounds`, the whole pages' views made in one call of the pool."""
         page = self.page
-        if lo % page == 0 and hi - lo == page and hi <= self.length:
-            return {Kind.KV: Piece(True, self.pool.view(self.runs[lo // page], self.batch))}
-        return {Kind.KV: Piece(True, self._dense(lo, hi))}
+        whole = [lo % page == 0 and hi - lo == page and hi <= self.length for lo, hi in bounds]
+        views = iter(self.pool.views([self.runs[lo // page] for (lo, _), w in zip(bounds, whole) if w], self.batch))
+        return [{Kind.KV: Piece(True, next(views) if w else self._dense(lo, hi))} for (lo, hi), w in zip(bounds, whole)]
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> PagedKVState:
         """A state in this one's pool holding the pieces' first seq_len positions: a piece that is

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from engine.cache.config import Reuse
 from engine.cache.gdn_state import GDNState
+from engine.cache.kv import PagedKVState
 from engine.cache.prefix_index import ROOT
 from engine.cache.states import Kind, ModelState, Piece
 from engine.cache.validation import ReusePlan
@@ -164,7 +165,8 @@ class RequestWriter:
 
 
 def _export(layer, bounds: list[tuple[int, int]], snapshots: list[bool], sketches: list[bool]) -> list[dict]:
-    """A layer's pieces for consecutive segments `bounds`, with its snapshots where `snapshots`."""
-    if isinstance(layer, GDNState):
+    """A layer's pieces for consecutive segments `bounds`, with its snapshots where `snapshots`:
+    in one call where the state exports a run at once (GDN, paged KV)."""
+    if isinstance(layer, (GDNState, PagedKVState)):
         return layer.export_segments(bounds, snapshots, sketches)
     return [layer.export(lo, hi, snapshots=s) for (lo, hi), s in zip(bounds, snapshots)]
