@@ -170,6 +170,7 @@ class WriteBehind:
                 ok, why = writer.save(*args)
             except Exception as e:  # noqa: BLE001 - whatever a save raises is a failed write, reported; the writer lives on
                 ok, why = False, Miss("unexpected", f"{type(e).__name__}: {e}")
+            args = None  # written: its tensors (and the pool blocks they hold) are let go now, not at the next save
             with self._cond:
                 self._writing = None
                 if ok:
