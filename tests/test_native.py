@@ -102,6 +102,37 @@ def test_decode_steps_match_the_torch_path(n_k, n_v, dk, dv, kernel, batch, monk
     assert torch.allclose(nat.norm, ref.norm, rtol=1e-5)
 
 
+def test_a_bf16_layers_decode_steps_take_the_kernel_in_float32(monkeypatch):
+    """A bf16 model's decode token runs the C kernel on float32 copies of its projected row and conv
+    window (the parameters' float32 copies kept): within bf16 rounding of the torch path, which
+    rounds after each op; its output and conv window stay bf16, the recurrent state float32; the
+    decay statistics as the torch path records them."""
+    layer = _gdn(2, 4, 16, 8, 4).to(torch.bfloat16)
+    xs = torch.randn(1, 12, 48, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        states = []
+        for _ in range(2):
+            s = layer.new_state(1, torch.bfloat16, "cpu")
+            s.tracking = True
+            layer(torch.randn(1, 5, 48, generator=torch.Generator().manual_seed(1)).bfloat16(), s, 0)
+            states.append(s)
+        assert native_decode.applies_upcast(torch.empty(1, 1, 8, dtype=torch.bfloat16), states[0].conv,
+                                            states[0].recurrent)
+        expected = _steps(layer, xs, states[0], monkeypatch, "torch")
+        calls = []
+        real = native_decode.decode_step
+        monkeypatch.setattr(native_decode, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = _steps(layer, xs, states[1], monkeypatch, "native")
+    assert len(calls) == xs.shape[1]
+    ref, nat = states
+    assert got.dtype is torch.bfloat16 and nat.conv.dtype is torch.bfloat16 and nat.recurrent.dtype is torch.float32
+    assert (got.float() - expected.float()).norm() / expected.float().norm() <= 2e-2
+    assert (nat.recurrent - ref.recurrent).norm() / ref.recurrent.norm() <= 2e-2
+    assert (nat.conv.float() - ref.conv.float()).abs().max() <= 2e-2 * ref.conv.float().abs().max()
+    assert nat.stats_end == ref.stats_end == 5 + xs.shape[1]
+    assert torch.allclose(nat.stats, ref.stats, rtol=2e-2, atol=1e-3)
+
+
 def test_decode_rows_is_each_sequences_decode_step_to_the_bit():
     """The batched step's one call for sequences with states of their own (kernels/native
     gdn_decode_rows) against one decode_step a sequence: the same outputs, states and statistics

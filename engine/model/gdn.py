@@ -66,8 +66,11 @@ class GatedDeltaNet(nn.Module):
         so the rows of a batched decode step (engine/batch_decode.py) project together and run
         this each on its own state."""
         b, t, _ = proj.shape
-        if t == 1 and state is not None and not state.static and native_decode.applies(proj, state.conv, state.recurrent):
-            return self._native_step(proj, state, start)
+        if t == 1 and state is not None and not state.static:
+            if native_decode.applies(proj, state.conv, state.recurrent):
+                return self._native_step(proj, state, start)
+            if native_decode.applies_upcast(proj, state.conv, state.recurrent):  # a bf16 model's token
+                return self._native_step(proj, state, start, upcast=True)
         qkv, z, b_in, a_in = self.in_proj.split(proj)
         # positions strictly inside this pass at which the cache wants the state (GDNState.mark)
         cuts = [p - start for p in state.marks if start < p < start + t] if state is not None and t > 1 else []
@@ -108,19 +111,27 @@ class GatedDeltaNet(nn.Module):
                                                              qkv[:, :c]], dim=1)
             state.kept[start + c] = (recurrent, rows.transpose(1, 2).clone(memory_format=torch.contiguous_format))
 
-    def _native_step(self, proj: torch.Tensor, state: GDNState, start: int) -> torch.Tensor:
+    def _native_step(self, proj: torch.Tensor, state: GDNState, start: int, upcast: bool = False) -> torch.Tensor:
         """One decode token through kernels/native/gdn_decode.c: the same arithmetic as the torch
-        path above in one call instead of ~50 ops; out_proj's input."""
+        path above in one call instead of ~50 ops; out_proj's input. `upcast` (a bf16 model): the
+        kernel runs in float32 on float32 copies of the projected row, the conv window and the
+        small parameters (kept, `derived`), and its output and window come back in bf16; the torch
+        path would round after each of its ops instead."""
         # parameters and submodules through their dicts: nn.Module.__getattr__ costs ~0.4 us a name
         params, norm = self._parameters, self._modules["norm"]
-        step = native_decode.decode_step(
-            proj, state.conv, state.recurrent, self._modules["conv1d"]._parameters["weight"],
-            self._neg_a(), params["dt_bias"],
-            norm._parameters["weight"], self.n_k, L2_EPS, norm.eps, stats=state.tracking)
-        state.conv, state.recurrent = step.conv, step.recurrent
+        taps, dt_bias, norm_w = self._modules["conv1d"]._parameters["weight"], params["dt_bias"], norm._parameters["weight"]
+        conv, low = state.conv, proj.dtype
+        if upcast:
+            proj, conv = proj.float(), conv.float()
+            taps, dt_bias, norm_w = (derived(self, name, w, _float) for name, w in
+                                     (("taps_f32", taps), ("dt_bias_f32", dt_bias), ("norm_f32", norm_w)))
+        step = native_decode.decode_step(proj, conv, state.recurrent, taps, self._neg_a(), dt_bias, norm_w,
+                                         self.n_k, L2_EPS, norm.eps, stats=state.tracking)
+        state.conv, state.recurrent = (step.conv.to(low) if upcast else step.conv), step.recurrent
         if state.tracking:
             state.record(start, step.g, step.bv)
-        return step.out.view(proj.shape[0], 1, -1)
+        out = step.out.view(proj.shape[0], 1, -1)
+        return out.to(low) if upcast else out
 
     def core_rows(self, proj: torch.Tensor, states: list[GDNState], starts: list[int]) -> torch.Tensor | None:
         """`core` for a batched decode step (engine/model/rows.py): proj [N, 1, width], row i one
@@ -182,3 +193,7 @@ def _neg_exp(a: torch.Tensor) -> torch.Tensor:
 
 def _l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return normalized(as_float(x), eps, mean=False)
+
+
+def _float(w: torch.Tensor) -> torch.Tensor:
+    return w.float().contiguous()

@@ -53,6 +53,15 @@ def applies(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> 
             and proj.stride(-1) == 1 and native.enabled() and kernel() is not None)
 
 
+def applies_upcast(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> bool:
+    """Whether a bf16 model's decode token can take the kernel on float32 copies of its projected
+    row and conv window (GatedDeltaNet._native_step's `upcast`): what `applies` asks, with proj and
+    conv bf16 (the recurrent state is float32 in every model)."""
+    return (proj.device.type == "cpu" and proj.dtype is torch.bfloat16 and conv.dtype is torch.bfloat16
+            and recurrent.dtype is torch.float32 and proj.dim() == 3 and proj.shape[1] == 1
+            and native.enabled() and kernel() is not None)
+
+
 def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor, taps: torch.Tensor,
                 neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor,
                 n_k: int, l2_eps: float, norm_eps: float, stats: bool = True) -> Step:
