@@ -70,6 +70,15 @@ def _steps(layer, xs, state, monkeypatch, path):
     return torch.cat(outs, 1)
 
 
+def _both_paths(layer, xs, states, monkeypatch):
+    """(the torch path's steps on states[0], the kernel's on states[1], how many kernel calls)."""
+    expected = _steps(layer, xs, states[0], monkeypatch, "torch")
+    calls = []
+    real = native_decode.decode_step
+    monkeypatch.setattr(native_decode, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return expected, _steps(layer, xs, states[1], monkeypatch, "native"), len(calls)
+
+
 @pytest.mark.parametrize("n_k, n_v, dk, dv, kernel, batch", [
     (2, 4, 16, 8, 4, 1),  # value heads grouped over key heads
     (3, 3, 32, 32, 4, 2),  # one value head per key head, two sequences
@@ -86,12 +95,8 @@ def test_decode_steps_match_the_torch_path(n_k, n_v, dk, dv, kernel, batch, monk
             s.tracking = True
             layer(torch.randn(batch, 5, 48, generator=torch.Generator().manual_seed(1)), s, 0)  # a prefilled window
             states.append(s)
-        expected = _steps(layer, xs, states[0], monkeypatch, "torch")
-        calls = []
-        real = native_decode.decode_step
-        monkeypatch.setattr(native_decode, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-        got = _steps(layer, xs, states[1], monkeypatch, "native")
-    assert len(calls) == xs.shape[1]
+        expected, got, calls = _both_paths(layer, xs, states, monkeypatch)
+    assert calls == xs.shape[1]
     assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
     ref, nat = states
     assert (nat.recurrent - ref.recurrent).abs().max().item() <= 1e-5 * ref.recurrent.abs().max().item()
@@ -118,12 +123,8 @@ def test_a_bf16_layers_decode_steps_take_the_kernel_in_float32(monkeypatch):
             states.append(s)
         assert native_decode.applies_upcast(torch.empty(1, 1, 8, dtype=torch.bfloat16), states[0].conv,
                                             states[0].recurrent)
-        expected = _steps(layer, xs, states[0], monkeypatch, "torch")
-        calls = []
-        real = native_decode.decode_step
-        monkeypatch.setattr(native_decode, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-        got = _steps(layer, xs, states[1], monkeypatch, "native")
-    assert len(calls) == xs.shape[1]
+        expected, got, calls = _both_paths(layer, xs, states, monkeypatch)
+    assert calls == xs.shape[1]
     ref, nat = states
     assert got.dtype is torch.bfloat16 and nat.conv.dtype is torch.bfloat16 and nat.recurrent.dtype is torch.float32
     assert (got.float() - expected.float()).norm() / expected.float().norm() <= 2e-2
