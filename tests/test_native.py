@@ -132,6 +132,11 @@ def test_a_bf16_layers_decode_steps_take_the_kernel_in_float32(monkeypatch):
     assert (nat.conv.float() - ref.conv.float()).abs().max() <= 2e-2 * ref.conv.float().abs().max()
     assert nat.stats_end == ref.stats_end == 5 + xs.shape[1]
     assert torch.allclose(nat.stats, ref.stats, rtol=2e-2, atol=1e-3)
+    with torch.no_grad():  # a changed weight: the kernel's float32 copies follow it
+        layer.norm.weight.mul_(2)
+        one = xs[:, :1]
+        again, changed, _ = _both_paths(layer, one, states, monkeypatch)
+    assert (changed.float() - again.float()).norm() / again.float().norm() <= 2e-2
 
 
 def test_decode_rows_is_each_sequences_decode_step_to_the_bit():

@@ -59,7 +59,7 @@ def applies_upcast(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tens
     conv bf16 (the recurrent state is float32 in every model)."""
     return (proj.device.type == "cpu" and proj.dtype is torch.bfloat16 and conv.dtype is torch.bfloat16
             and recurrent.dtype is torch.float32 and proj.dim() == 3 and proj.shape[1] == 1
-            and native.enabled() and kernel() is not None)
+            and proj.stride(-1) == 1 and native.enabled() and kernel() is not None)
 
 
 def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor, taps: torch.Tensor,
