@@ -60,7 +60,7 @@ def _row(model, config, n: int, runs: int) -> str:
     for r in range(runs):
         # the order turns each round: a run is measurably slower or faster after some other ways
         # than after its own (allocator state), so no way always follows the same one
-        for name in names[r % 3:] + names[:r % 3]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(_prefill(model, config, ids, *ways[name]))
     t = {name: statistics.median(v) for name, v in times.items()}
     # each round's ratio to that round's run without a cache, then their median: the machine's
