@@ -144,13 +144,13 @@ class BlockPool:
         self._move(keep, end)
         return True
 
-    def share(self, first: int, n: int = 1) -> None:
-        """One more holder of the run (a hit mapping it, a view of it)."""
+    def share(self, first: int, n: int = 1, holders: int = 1) -> None:
+        """`holders` more holders of the run (a hit mapping it, a view of it)."""
         with self._lock:
             for i in range(first, first + n):
                 if self.refs[i] < 1:
                     raise ValueError(f"block {i} is free: nothing to share")
-                self.refs[i] += 1
+                self.refs[i] += holders
 
     def release(self, first: int, n: int = 1) -> None:
         with self._lock:
@@ -173,10 +173,15 @@ class BlockPool:
         """`view` of each run in `firsts` (a saved request's segments, one call for all of them)."""
         out = []
         with self._lock, torch.inference_mode(False), torch.no_grad():
+            # (the pools' storages, block size and strides once for every view)
+            at = [(pool.untyped_storage(), pool.stride(), (n, *pool.shape[1:]), pool.dtype, pool.device)
+                  for pool in (self.k, self.v)]
+            size = self.k.stride(0)  # (an empty pool too: no block to index)
             for first in firsts:
-                pair = (_based_on_nothing(self.k, first, n), _based_on_nothing(self.v, first, n))
+                pair = tuple(_based_on_nothing(storage, first * size, shape, stride, dtype, device)
+                             for storage, stride, shape, dtype, device in at)
+                self.share(first, n, holders=2)  # one per tensor: each gives its own back when collected
                 for t in pair:
-                    self.share(first, n)
                     # the weak reference's callback gives the hold back when the view is collected
                     key = id(t)
                     self._views[key] = weakref.ref(t, lambda _, key=key, first=first: self._collected(key, first, n))
@@ -230,13 +235,12 @@ class BlockPool:
                     t.set_(new.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
-def _based_on_nothing(pool: torch.Tensor, first: int, n: int) -> torch.Tensor:
-    """pool[first:first + n] on the pool's storage without being a view of the pool tensor: a
-    slice's `_base` would keep that tensor (and, after a growth, its old storage) alive for as long
-    as the slice lives, whatever `_grow` moves it onto. Call it outside inference mode and autograd
-    (`views` does, once for all its views)."""
-    t = torch.empty(0, dtype=pool.dtype, device=pool.device)
-    return t.set_(pool.untyped_storage(), first * pool[0].numel(), (n, *pool.shape[1:]), pool.stride())
+def _based_on_nothing(storage, offset: int, shape: tuple, stride: tuple, dtype, device) -> torch.Tensor:
+    """A tensor on the pool's storage at `offset` (a run of blocks) without being a view of the pool
+    tensor: a slice's `_base` would keep that tensor (and, after a growth, its old storage) alive
+    for as long as the slice lives, whatever `_grow` moves it onto. Call it outside inference mode
+    and autograd (`views` does, once for all its views)."""
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
 
 def release_runs(pool: BlockPool, runs: list[int], batch: int) -> None:

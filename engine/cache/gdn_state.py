@@ -198,7 +198,7 @@ class GDNState:
             stride = math.gcd(STAT_STRIDE, n) if n else 1
             seg = self.stats[:, lo - self.stats_start:hi - self.stats_start]
             seg = seg.reshape(seg.shape[0], n // stride, stride, *seg.shape[2:])
-            out[Kind.DECAY] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1))
+            out[Kind.DECAY] = Piece(True, torch.stack([seg[..., 0].sum(2), seg[:, :, -1, :, 1]], dim=-1), hi)
             self._forget_stats_before(hi)
         return self._snapshots(out, hi, snapshots, sketches)
 
@@ -208,10 +208,10 @@ class GDNState:
         kept = self.kept.get(hi)
         if snapshots:
             recurrent, conv = kept if kept is not None else (self.recurrent.clone(), self.conv.clone())
-            out[Kind.RECURRENT] = Piece(False, recurrent)
-            out[Kind.CONV] = Piece(False, conv)
+            out[Kind.RECURRENT] = Piece(False, recurrent, hi)
+            out[Kind.CONV] = Piece(False, conv, hi)
         if sketches:
-            out[Kind.SKETCH] = Piece(False, sketch(kept[0] if kept is not None else self.recurrent))
+            out[Kind.SKETCH] = Piece(False, sketch(kept[0] if kept is not None else self.recurrent), hi)
         return out
 
     def export_segments(self, bounds: list[tuple[int, int]], snapshots: list[bool],
@@ -229,7 +229,7 @@ class GDNState:
         # [segments, B, n // stride, Hv, 2], each segment's rows contiguous as export() makes them
         decay = torch.stack([run[..., 0].sum(3), run[:, :, :, -1, :, 1]], dim=-1).transpose(0, 1).contiguous()
         self._forget_stats_before(hi)
-        return [self._snapshots({Kind.DECAY: Piece(True, d)}, z, s, k)
+        return [self._snapshots({Kind.DECAY: Piece(True, d, z)}, z, s, k)
                 for d, (_, z), s, k in zip(decay.unbind(0), bounds, snapshots, sketches)]
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> GDNState:

@@ -325,7 +325,7 @@ class PagedKVState(_SlicedByPosition):
         page = self.page
         whole = [lo % page == 0 and hi - lo == page and hi <= self.length for lo, hi in bounds]
         views = iter(self.pool.views([self.runs[lo // page] for (lo, _), w in zip(bounds, whole) if w], self.batch))
-        return [{Kind.KV: Piece(True, next(views) if w else self._dense(lo, hi))} for (lo, hi), w in zip(bounds, whole)]
+        return [{Kind.KV: Piece(True, next(views) if w else self._dense(lo, hi), hi)} for (lo, hi), w in zip(bounds, whole)]
 
     def assemble(self, seq_len: int, pieces: dict[str, object]) -> PagedKVState:
         """A state in this one's pool holding the pieces' first seq_len positions: a piece that is

@@ -109,7 +109,8 @@ class RequestWriter:
             j = lo // b
             before = self.cache.table.get(key)
             had = set(before.pieces) if before is not None else set()
-            pieces = {(i, kind): Piece(piece.per_segment, piece.data, hi)
+            # (stamped with the position they describe; GDN and paged KV pieces come stamped)
+            pieces = {(i, kind): piece if piece.position == hi else Piece(piece.per_segment, piece.data, hi)
                       for i, layer_pieces in enumerate(exported) for kind, piece in layer_pieces[n].items()}
             self.cache.table.put(key, j, self.cache.layout, pieces, exact=self.exact)
             added = frozenset(k for k, p in pieces.items() if not p.per_segment and k not in had)
