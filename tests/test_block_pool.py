@@ -43,6 +43,30 @@ def test_the_lowest_free_blocks_are_taken_first():
     assert _filled(PAGE, pool, seed=4, batch=2).runs == [0]  # a batch's run of two: blocks 0 and 1
 
 
+def test_a_block_freed_while_a_run_is_being_found_is_not_lost(monkeypatch):
+    """A view collected on this thread in the middle of `alloc` (its weakref callback runs there,
+    under the pool's reentrant lock) pushes its block onto the free list while a run of blocks is
+    being taken from it: the block stays free instead of leaking."""
+    from engine.cache import block_pool
+
+    pool = _pool()
+    for _ in range(5):
+        pool.alloc(1)  # blocks 0..4, each held once
+    pool.release(0)
+    pool.release(1)
+
+    def sorted_then_a_view_is_collected(free):
+        out = sorted(free)
+        pool.release(3)  # what `_collected` does for a view of block 3 let go just now
+        return out
+
+    monkeypatch.setattr(block_pool, "sorted", sorted_then_a_view_is_collected, raising=False)
+    assert pool.alloc(2) == 0  # the run 0-1
+    monkeypatch.undo()
+    assert pool.free == [3]
+    assert pool.alloc(1) == 3
+
+
 def test_a_pool_grown_for_a_long_state_shrinks_at_its_next_allocation():
     """Letting the long state go moves nothing (it may happen on another thread); the next
     allocation moves the pool onto storage twice the blocks in use (at least MIN_BLOCKS), and the

@@ -116,7 +116,12 @@ class BlockPool:
         for i in range(len(free) - n + 1):
             if free[i + n - 1] - free[i] == n - 1:  # (the numbers are distinct: a run)
                 first = free[i]
-                self.free = free[:i] + free[i + n:]  # (sorted: still a heap)
+                # taken out of the list in place, not replaced by one made from `free`: a view
+                # collected meanwhile (its weakref callback runs on this thread, whose lock this
+                # is) may have pushed a block onto it, which a new list would lose for good
+                for block in range(first, first + n):
+                    self.free.remove(block)
+                heapq.heapify(self.free)
                 return first
         return None
 
