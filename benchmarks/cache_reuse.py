@@ -59,34 +59,54 @@ def trace(vocab: int, conversations: int, turns: int, seed: int = 0) -> list[tup
     return out
 
 
-def run_policy(model, requests, policy: dict | None, check: bool) -> dict:
-    cache = PrefixCache(model, CacheConfig(block_size=BLOCK, **policy)) if policy is not None else None
-    engine = Engine(model, cache=cache)
-    cold = Engine(model)
-    history: dict[int, list[int]] = {}
-    previous: dict[int, list[int]] = {}
-    prompt_tokens = ttft = 0.0
-    silent = 0
-    for conv, text in requests:
-        if conv not in history:
+class PolicyRun:
+    """One policy's pass over a trace (None: no cache), a request at a time (`step`), so that
+    several policies can take the same request in turns: their times then come from the same
+    minute of this machine, whose speed drifts by up to 20% over a minute."""
+
+    def __init__(self, model, policy: dict | None, check: bool):
+        self.cache = PrefixCache(model, CacheConfig(block_size=BLOCK, **policy)) if policy is not None else None
+        self.engine = Engine(model, cache=self.cache)
+        self.cold = Engine(model)
+        self.check = check
+        self.history: dict[int, list[int]] = {}
+        self.previous: dict[int, list[int]] = {}
+        self.prompt_tokens = 0
+        self.ttft = 0.0
+        self.silent = 0
+
+    def step(self, conv: int, text: list[int]) -> None:
+        if conv not in self.history:
             prompt = text
         elif text[0] == -1:  # an edit: resend the previous prompt's context with new text
-            prompt = previous[conv] + text[1:]
+            prompt = self.previous[conv] + text[1:]
         else:
-            previous[conv] = history[conv]
-            prompt = history[conv] + text
-        gen = engine.generate(prompt, SamplingParams(max_new_tokens=16, greedy=True))
-        ttft += gen.timings.prompt_ms / 1000
-        if check:
-            silent += (gen.prompt_logits - cold.start(prompt).logits).abs().max().item() > 1e-4
-        history[conv] = prompt + gen.token_ids
-        previous.setdefault(conv, prompt)
-        prompt_tokens += len(prompt)
-    m = engine.metrics() if cache is not None else {}
-    return {"prompt_tokens": prompt_tokens, "ttft_s": ttft, "silent": silent,
-            "logical": m.get("logical_hit_tokens", 0) / prompt_tokens,
-            "usable": m.get("usable_hit_tokens", 0) / prompt_tokens,
-            "degraded_rate": m.get("degraded_hit_rate", 0.0)}
+            self.previous[conv] = self.history[conv]
+            prompt = self.history[conv] + text
+        gen = self.engine.generate(prompt, SamplingParams(max_new_tokens=16, greedy=True))
+        self.ttft += gen.timings.prompt_ms / 1000
+        if self.check:
+            self.silent += (gen.prompt_logits - self.cold.start(prompt).logits).abs().max().item() > 1e-4
+        self.history[conv] = prompt + gen.token_ids
+        self.previous.setdefault(conv, prompt)
+        self.prompt_tokens += len(prompt)
+
+    def result(self) -> dict:
+        m = self.engine.metrics() if self.cache is not None else {}
+        return {"prompt_tokens": self.prompt_tokens, "ttft_s": self.ttft, "silent": self.silent,
+                "logical": m.get("logical_hit_tokens", 0) / self.prompt_tokens,
+                "usable": m.get("usable_hit_tokens", 0) / self.prompt_tokens,
+                "degraded_rate": m.get("degraded_hit_rate", 0.0)}
+
+
+def run_policies(model, requests, policies: list[dict | None], check: bool) -> list[dict]:
+    """Each policy's `PolicyRun` over the trace, the policies taking each request in turns, the
+    order turned from request to request (a request runs slower or faster after some others)."""
+    runs = [PolicyRun(model, policy, check) for policy in policies]
+    for i, (conv, text) in enumerate(requests):
+        for run in runs[i % len(runs):] + runs[:i % len(runs)]:
+            run.step(conv, text)
+    return [run.result() for run in runs]
 
 
 def validation_overhead(model, requests) -> dict:
@@ -126,19 +146,20 @@ def main() -> None:
     convs, turns = (2, 4) if args.quick else (4, 7)
     lines = [f"Block size {BLOCK}; {convs} conversations x {turns} turns sharing a 300-token system prompt; every",
              "third turn edits the previous one (a branch); 16 generated tokens per turn; fp32 CPU. Hit rates are",
-             "shares of all prompt tokens; TTFT is the summed time to first token, relative to no cache. Every",
-             "turn is checked against a cold prefill. TTFT includes recording each turn's checkpoints (copies of",
-             "the state at every kept boundary, taken inside the forward pass): at these tiny widths that recording",
-             "can cost about as much as the prefill it saves, so hcw, which keeps more checkpoints than the",
-             "SGLang-style policy (that is what buys its higher usable hit rate), can show a higher TTFT.", ""]
+             "shares of all prompt tokens; TTFT is the summed time to first token, relative to no cache; the policies",
+             "and no cache take each request in turns (the order turned each request), so their times come from the",
+             "same minute of this noisy VM. Every turn is checked against a cold prefill. TTFT includes recording",
+             "each turn's checkpoints (the state at every kept boundary, taken inside the forward pass; cached KV",
+             "blocks shared, not copied), which hcw keeps more of than the SGLang-style policy: that buys its",
+             "higher usable hit rate.", ""]
     for name, path in models.items():
         model = load_model(path, device="cpu")
         requests = trace(4096, convs, turns)
-        base = run_policy(model, requests, None, check=False)
+        # no cache first, checked like the others (its check costs the same outside the timing)
+        base, *results = run_policies(model, requests, [None, *POLICIES.values()], check=True)
         lines += [f"**{name}**", "", "| policy | token hit rate | usable hit rate | degraded hits | TTFT vs no cache | "
                   "silent errors |", "|---|---:|---:|---:|---:|---:|"]
-        for label, policy in POLICIES.items():
-            r = run_policy(model, requests, policy, check=True)
+        for label, r in zip(POLICIES, results):
             print(name, label, json.dumps(r), flush=True)
             lines.append(f"| {label} | {r['logical']:.1%} | {r['usable']:.1%} | {r['degraded_rate']:.1%} | "
                          f"{r['ttft_s'] / base['ttft_s']:.2f}x | {r['silent']} |")
