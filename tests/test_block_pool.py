@@ -67,6 +67,29 @@ def test_a_block_freed_while_a_run_is_being_found_is_not_lost(monkeypatch):
     assert pool.alloc(1) == 3
 
 
+def test_a_block_freed_while_a_shrinking_pool_filters_its_free_list_is_not_lost():
+    """As above, for `trim`: a view collected just as the free list has been filtered (its block
+    pushed onto the list being replaced) stays free after the pool shrinks."""
+    pool = _pool()
+    pool.alloc(2)  # blocks 0 and 1, held
+    for first in [pool.alloc(1) for _ in range(62)]:  # 2..63, let go: the pool may shrink
+        pool.release(first)
+
+    class Free(list):
+        pushed = False
+
+        def __iter__(self):
+            yield from list.__iter__(self)
+            if not Free.pushed:  # once the filter has read every block: block 1 let go now
+                Free.pushed = True
+                pool.release(1)
+
+    pool.free = Free(pool.free)
+    assert pool.trim()
+    assert sorted(pool.free) == [1]
+    assert pool.alloc(1) == 1
+
+
 def test_a_pool_grown_for_a_long_state_shrinks_at_its_next_allocation():
     """Letting the long state go moves nothing (it may happen on another thread); the next
     allocation moves the pool onto storage twice the blocks in use (at least MIN_BLOCKS), and the

@@ -144,7 +144,12 @@ class BlockPool:
         if keep > cap // 2:
             return False
         del self.refs[end:]
-        self.free = [f for f in self.free if f < end]
+        old = self.free
+        self.free = [f for f in old if f < end]
+        # a view collected on this thread while the list was being made (its weakref callback runs
+        # under this reentrant lock) pushed its block onto the old list: carried over, not lost
+        kept = set(self.free)
+        self.free += [f for f in old if f < end and f not in kept]
         heapq.heapify(self.free)
         self._move(keep, end)
         return True
