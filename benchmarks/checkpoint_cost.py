@@ -30,7 +30,7 @@ from engine.engine import Engine  # noqa: E402
 
 MODEL = "hcw-tiny-qwen3.5"
 HEADER = ("| prompt | boundaries | no cache ms | snapshots inside ms | vs none | middle half of rounds | "
-          "cache's own work ms | stopped at each ms | vs none |\n"
+          "control: none vs none | cache's own work ms, at least | stopped at each, vs none |\n"
           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # the built-in Qwen3.5-style model: 3 GDN layers to 1 of full attention
 
 
@@ -51,58 +51,69 @@ def _prefill(model, config, ids: list[int], cache: bool, stop: bool) -> float:
         ModelState.snapshots_inside = real
 
 
-def _paired(model, config, ids: list[int], cache_first: bool) -> tuple[float, float]:
-    """Seconds for a prefill of `ids` without a cache and one with a fresh cache keeping snapshots
-    inside the pass, run a chunk at a time in turns (`Engine.start_steps`), each chunk timed: the
-    two ways' chunks of the same tokens run within a few hundred ms of each other, so the
-    machine's drift (up to 20% over a minute here) cancels far better than between whole runs."""
-    engines = {False: Engine(model, config), True: Engine(model, config, cache=PrefixCache(model, CacheConfig(checkpoint_every=1)))}
+def _paired(model, config, ids: list[int], caches: tuple[bool, bool]) -> tuple[float, float]:
+    """Seconds for two prefills of `ids`, each without a cache (False) or with a fresh cache
+    keeping snapshots inside the pass (True), run a chunk at a time in turns (`Engine.start_steps`,
+    the first of `caches` first), each chunk timed: the two ways' chunks of the same tokens run
+    within a few hundred ms of each other, so the machine's drift (up to 20% over a minute here)
+    cancels far better than between whole runs. (Both states take their blocks from the layers'
+    one pool of 64-position blocks, in turns, as two requests of one server would.)"""
+    engines = [Engine(model, config, cache=PrefixCache(model, CacheConfig(checkpoint_every=1)) if c else None)
+               for c in caches]
     gc.collect()
-    spent = {False: 0.0, True: 0.0}
-    steps = {c: e.start_steps(ids) for c, e in engines.items()}
-    started = {}
-    order = (True, False) if cache_first else (False, True)
-    while len(started) < 2:
-        for c in order:
-            if c in started:
+    spent = [0.0, 0.0]
+    steps = [e.start_steps(ids) for e in engines]
+    done: set[int] = set()
+    while len(done) < 2:
+        for i in (0, 1):
+            if i in done:
                 continue
             t0 = time.perf_counter()
             try:
-                next(steps[c])
-            except StopIteration as done:
-                done.value.finish()
-                started[c] = done.value
-            spent[c] += time.perf_counter() - t0
-    return spent[False], spent[True]
+                next(steps[i])
+            except StopIteration as finished:
+                finished.value.finish()
+                done.add(i)
+            spent[i] += time.perf_counter() - t0
+    return spent[0], spent[1]
 
 
 def _row(model, config, n: int, rounds: int, stopped_rounds: int) -> str:
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    ways = {"none": (False, False), "inside": (True, False), "stopped": (True, True)}
-    for cache, stop in ways.values():  # first calls pay one-off costs
+    for cache, stop in ((False, False), (True, False), (True, True)):  # first calls pay one-off costs
         _prefill(model, config, ids, cache, stop)
-    times = {name: [] for name in ways}
-    spent = []  # per run with snapshots inside: seconds in the cache's own work (_Bookkeeping)
+    none, inside, control, stopped = [], [], [], []  # per round: seconds, or a ratio (control, stopped)
+    spent = []  # per round: seconds in the cache's own work (_Bookkeeping)
     for r in range(rounds):
-        # the two ways the goal compares run a chunk each in turns, who goes first turned each
-        # round (a run is also slower or faster after some ways than after its own: allocator state)
-        with _Bookkeeping() as book:
-            none, inside = _paired(model, config, ids, cache_first=r % 2 == 1)
-        times["none"].append(none)
-        times["inside"].append(inside)
-        spent.append(book.seconds)
-        if r < stopped_rounds:
-            times["stopped"].append(_prefill(model, config, ids, *ways["stopped"]))
-    t = {name: statistics.median(v) for name, v in times.items()}
-    # each round's ratio to that round's run without a cache, then their median: the drift cancels
-    per_round = {name: [a / b for a, b in zip(times[name], times["none"])] for name in ways}
-    ratio = {name: statistics.median(v) for name, v in per_round.items()}
-    q1, _, q3 = statistics.quantiles(per_round["inside"], n=4)
+        # the pair the goal compares, and a control pair of two prefills without a cache run the
+        # same way (what the method itself reads where there is no difference); who goes first,
+        # and which pair, turned each round (a run is faster or slower after some ways: allocator state)
+        flip = r % 2 == 1
+        for pair in (("test", "control") if r % 4 < 2 else ("control", "test")):
+            if pair == "control":
+                a, b = _paired(model, config, ids, (False, False))
+                control.append(a / b if flip else b / a)
+                continue
+            with _Bookkeeping() as book:
+                if flip:
+                    cached, plain = _paired(model, config, ids, (True, False))
+                else:
+                    plain, cached = _paired(model, config, ids, (False, True))
+            none.append(plain)
+            inside.append(cached)
+            spent.append(book.seconds)
+        if r < stopped_rounds:  # the way before: whole runs, next to a whole run without a cache
+            order = ((False, False), (True, True)) if flip else ((True, True), (False, False))
+            t = {way: _prefill(model, config, ids, *way) for way in order}
+            stopped.append(t[(True, True)] / t[(False, False)])
+    ratios = [a / b for a, b in zip(inside, none)]
+    ratio, base = statistics.median(ratios), statistics.median(control)
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
     own = statistics.median(spent)
     segments = n // 64
-    return (f"| {n} | {segments} | {1000 * t['none']:,.0f} | {1000 * t['inside']:,.0f} | "
-            f"{ratio['inside']:.3f}× | {q1:.3f}–{q3:.3f}× | {1000 * own:,.0f} ({100 * own / t['none']:.1f}%) | "
-            f"{1000 * t['stopped']:,.0f} | {ratio['stopped']:.3f}× |")
+    return (f"| {n} | {segments} | {1000 * statistics.median(none):,.0f} | {1000 * statistics.median(inside):,.0f} | "
+            f"{ratio:.3f}× | {q1:.3f}–{q3:.3f}× | {base:.3f}× | {1000 * own:,.0f} ({100 * own / statistics.median(none):.1f}%) | "
+            f"{statistics.median(stopped):.3f}× |")
 
 
 class _Bookkeeping:
@@ -148,13 +159,16 @@ def main() -> None:
     counts = ", ".join(f"{r} at {n:,}" for n, (r, _) in plan.items())
     intro = (f"{MODEL}, a prompt prefilled in the engine's 2,048-token chunks: without a cache, with a cache "
              "keeping GDN snapshots at every 64-token boundary (`checkpoint_every=1`) taken inside the pass, and "
-             "the same with the prefill stopped at each boundary instead. One process, 2 threads, garbage "
-             f"collected before each run; rounds ({counts}) run the first two ways a chunk each in turns (who goes "
-             "first turned each round), and the stopped way whole in the first few. Times are medians; `vs none` is the median of each round's ratio to "
-             "its run without a cache, beside the middle half of those ratios (this VM's noise). `cache's own "
-             "work` is the median time inside the writer's records, the GDN layers' kept states and their decay "
-             "statistics, and its share of the run without a cache. Goal (issue 25): a snapshot at every "
-             "boundary costs <= 5% more than none.")
+             "the same with the prefill stopped at each boundary instead (the way before). One process, 2 threads, "
+             f"garbage collected before each pair. Each round ({counts}) runs the first two ways a chunk each in "
+             "turns, and a control pair of two prefills without a cache the same way; who goes first turns each "
+             "round. `vs none` is the median of the rounds' ratios, beside the middle half of them (this VM's "
+             "noise); the control's median says what the method reads where nothing differs. Times are medians. "
+             "`cache's own work` is the median time inside the writer's records, the GDN layers' kept states "
+             "and their decay statistics (a lower bound: the statistics' inputs, the lookup and the finish are "
+             "not in it), and its share of the run without a cache. The stopped way runs whole, in the first "
+             "rounds, next to a whole run without a cache. Goal (issue 25): a snapshot at every boundary costs "
+             "<= 5% more than none.")
     body = "\n".join([intro, "", HEADER, *rows])
     print(body)
     if not args.no_write:
