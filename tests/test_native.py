@@ -21,7 +21,7 @@ import kernels.native as native
 from engine.cache.config import CacheConfig
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.gdn_state import GDNState
-from engine.cache.kv import KVState
+from engine.cache.kv import KVState, PagedKVState
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.engine import Engine, SamplingParams
@@ -307,6 +307,36 @@ def test_attention_decode_steps_match_the_torch_path(heads, kv_heads, head_dim, 
     assert ref.length == nat.length == prefill + xs.shape[1]
     assert (nat.k[:, :, :nat.length] - ref.k[:, :, :ref.length]).abs().max().item() <= 1e-5
     assert torch.equal(nat.v[:, :, :nat.length], ref.v[:, :, :ref.length])
+
+
+@pytest.mark.parametrize("kv_choice, prefill", [("dense", 9), ("paged", 9), ("paged", 60)])
+def test_a_bf16_attention_layers_decode_steps_take_the_kernel_in_float32(kv_choice, prefill, monkeypatch):
+    """A bf16 model's decode token runs the C kernel on a float32 copy of its projected row, the key
+    and value rounded once into the bf16 buffers (dense, or paged blocks, the steps crossing a
+    block's end at 60 + 12): within bf16 rounding of the torch path, which rounds after each op;
+    the values, copied and not computed, are the same bits."""
+    layer = _attention(4, 2, 16, 0.25).to(torch.bfloat16)
+    layer.kv_choice = kv_choice
+    warm = torch.randn(1, prefill, 48, generator=torch.Generator().manual_seed(1)).bfloat16()
+    xs = torch.randn(1, 12, 48, generator=torch.Generator().manual_seed(2)).bfloat16()
+    calls, results = [], {}
+    real = attn_decode.prepare
+    monkeypatch.setattr(attn_decode, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        for path in ("reference", "auto"):
+            dispatch.select(path)
+            state = layer.new_state(1, torch.bfloat16, "cpu", page=64)
+            assert type(state) is (KVState if kv_choice == "dense" else PagedKVState)
+            layer(warm, state, 0)
+            outs = [layer(xs[:, i:i + 1], state, prefill + i) for i in range(xs.shape[1])]
+            results[path] = torch.cat(outs, 1), state.read(prefill + xs.shape[1])
+    assert len(calls) == xs.shape[1]
+    (expected, (ref_k, ref_v)), (got, (nat_k, nat_v)) = results["reference"], results["auto"]
+    assert got.dtype is torch.bfloat16 and nat_k.dtype is torch.bfloat16
+    assert (got.float() - expected.float()).norm() / expected.float().norm() <= 2e-2
+    assert (nat_k.float() - ref_k.float()).abs().max() <= 2e-2 * ref_k.float().abs().max()
+    assert torch.equal(nat_k[:, :, :prefill], ref_k[:, :, :prefill])  # the prefill's keys: one path
+    assert torch.equal(nat_v, ref_v)
 
 
 @pytest.mark.parametrize("unit_offset", [True, False])

@@ -93,16 +93,22 @@ class GatedAttention(nn.Module):
 
     def _native(self, proj: torch.Tensor, state) -> bool:
         """Whether a decode token takes kernels/native: a dense state, or a paged one read without
-        the Triton kernels (not under static decode, whose positions are tensors)."""
+        the Triton kernels (not under static decode, whose positions are tensors); float32, or a
+        bf16 model's token on a float32 copy (`_native_step`)."""
         if type(state) is KVState:
-            return native_decode.applies(proj, state.k, state.v)
-        return (type(state) is PagedKVState and state.at is None and not use_triton(proj, state.k_pool)
-                and native_decode.applies(proj, state.k_pool, state.v_pool))
+            k, v = state.k, state.v
+        elif type(state) is PagedKVState and state.at is None and not use_triton(proj, state.k_pool):
+            k, v = state.k_pool, state.v_pool
+        else:
+            return False
+        return native_decode.applies(proj, k, v) or native_decode.applies_upcast(proj, k, v)
 
     def _native_step(self, proj: torch.Tensor, state: KVState | PagedKVState, start: int) -> torch.Tensor:
         """One decode token through kernels/native/attn_decode.c (norms, rotation, gate, the KV
         write: the arithmetic of the torch path above in one call), then SDPA over a dense cache,
-        `_paged_attention` over a paged one; o_proj's input."""
+        `_paged_attention` over a paged one; o_proj's input. A bf16 model's token runs the kernel
+        in float32 on a copy of its projected row (the torch path would round after each op), the
+        key and value rounded once into the bf16 buffers, the query rounded for the attention."""
         b, hd, m = proj.shape[0], self.head_dim, self._modules  # (dicts: no nn.Module.__getattr__)
         state.room(start + 1)
         if type(state) is KVState:
@@ -110,16 +116,25 @@ class GatedAttention(nn.Module):
         else:
             (k_buf, v_buf), at = state.slab(start), start % state.page
         cos, sin = self.rotary.rows(start, hd, torch.float32, proj.device)
-        q_norm = m["q_norm"]
-        q, gate = native_decode.prepare(proj, q_norm.scale(), m["k_norm"].scale(), cos, sin, self.rotary.rotary_dim,
-                                        k_buf, v_buf, at, self.n_heads, q_norm.eps)
+        q_norm, low = m["q_norm"], proj.dtype
+        if low is torch.float32:
+            q, gate = native_decode.prepare(proj, q_norm.scale(), m["k_norm"].scale(), cos, sin,
+                                            self.rotary.rotary_dim, k_buf, v_buf, at, self.n_heads, q_norm.eps)
+        else:  # a bf16 model: the kernel on a float32 copy, its key and value rounded into the buffers
+            kv = torch.empty(2, b, k_buf.shape[1], 1, hd, dtype=torch.float32)
+            q, gate = native_decode.prepare(proj.float(), q_norm.scale(), m["k_norm"].scale(), cos, sin,
+                                            self.rotary.rotary_dim, kv[0], kv[1], 0, self.n_heads, q_norm.eps)
+            k_buf[:, :, at].copy_(kv[0, :, :, 0])
+            v_buf[:, :, at].copy_(kv[1, :, :, 0])
+            q = q.to(low)
         if type(state) is KVState:
             k, v = state.written(1)
             o = _causal_attention(q, k, v, start)  # [B, H, 1, D]
         else:
             state.written(1)
             o = _paged_attention(q, state)
-        return o.reshape(b, 1, self.n_heads * hd) * gate
+        o = o.reshape(b, 1, self.n_heads * hd) * gate
+        return o if low is torch.float32 else o.to(low)
 
     def _paged(self, q, k, v, state: PagedKVState, start: int) -> torch.Tensor:
         """Attention over a paged state: a static decode step (positions in tensors, `state.at`),

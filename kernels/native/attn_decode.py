@@ -37,6 +37,16 @@ def applies(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> boo
             and native.enabled() and kernel() is not None)
 
 
+def applies_upcast(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+    """Whether a bf16 model's decode token can take the kernel on a float32 copy of its projected
+    row (GatedAttention._native_step's `upcast`: the key and value written to a float32 scratch,
+    then rounded into the bf16 buffers): what `applies` asks, with proj and the buffers bf16."""
+    return (proj.device.type == "cpu" and proj.dtype is torch.bfloat16 and k_buf.dtype is torch.bfloat16
+            and v_buf.dtype is torch.bfloat16 and proj.dim() == 3 and proj.shape[1] == 1 and proj.stride(-1) == 1
+            and k_buf.stride(-1) == 1 and k_buf.stride(-2) == k_buf.shape[-1] and k_buf.stride() == v_buf.stride()
+            and native.enabled() and kernel() is not None)
+
+
 def prepare(proj: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             rotary_dim: int, k_buf: torch.Tensor, v_buf: torch.Tensor, pos: int, n_heads: int, eps: float) -> Prepared:
     """proj [B, 1, H*2D + 2*Hkv*D] (per query head its query then its gate, then the keys, then the
