@@ -107,6 +107,39 @@ def test_decode_steps_match_the_torch_path(n_k, n_v, dk, dv, kernel, batch, monk
     assert torch.allclose(nat.norm, ref.norm, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [False, True])
+def test_a_gdn_decode_token_split_over_threads_is_the_same_to_the_bit(rows, monkeypatch):
+    """A large state's value heads are split over torch's threads (PARALLEL_MIN): each head is one
+    thread's, so outputs, states and statistics equal the one-thread token's bit for bit, for the
+    batched rows entry too; the test lowers the threshold so a small layer splits."""
+    layer = _gdn(2, 4, 16, 8, 4)
+    prefill = layer.new_state(2, torch.float32, "cpu")
+    with torch.no_grad():
+        layer(torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(1)), prefill, 0)
+        proj = layer.project(torch.randn(2, 1, 48, generator=torch.Generator().manual_seed(3)))
+    args = (layer.conv1d.weight.detach(), layer._neg_a().detach(), layer.dt_bias.detach(),
+            layer.norm.weight.detach(), layer.n_k, 1e-6, layer.norm.eps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        steps = []
+        for least in (1 << 40, 0):  # one thread, then every head on the pool
+            monkeypatch.setattr(native_decode, "PARALLEL_MIN", least)
+            assert native_decode._threads(4 * 8 * 16) == (1 if least else 2)
+            if rows:
+                convs, recs = list(prefill.conv.split(1)), list(prefill.recurrent.split(1))
+                got = native_decode.decode_rows(proj, convs, recs, *args)
+                steps.append((got.out, torch.cat(got.conv), torch.cat(got.recurrent), got.g, got.bv))
+            else:
+                got = native_decode.decode_step(proj, prefill.conv, prefill.recurrent, *args)
+                steps.append((got.out, got.conv, got.recurrent, got.g, got.bv))
+    finally:
+        torch.set_num_threads(threads)
+    for one, split in zip(*steps):
+        assert torch.equal(one, split)
+    assert steps[0][0].abs().sum() > 0
+
+
 def test_a_bf16_layers_decode_steps_take_the_kernel_in_float32(monkeypatch):
     """A bf16 model's decode token runs the C kernel on float32 copies of its projected row and conv
     window (the parameters' float32 copies kept): within bf16 rounding of the torch path, which

@@ -12,12 +12,17 @@
  * read from *_in and written to *_out, never updated in place: the caller's old tensors may be
  * shared with a cached snapshot. g and beta * |v| per head are written for the decay statistics
  * when p_g and p_bv are given (NULL: a request the cache does not record).
- * Each thread of work is one token of one sequence: at decode sizes a parallel region costs more
- * than it saves, so the caller's one thread runs it. `hcw_gdn_decode` steps B sequences whose
+ * A token's conv and norms run on the caller's thread; its value heads are split over `threads`
+ * OpenMP threads (torch's own pool, as gemv.c's) when the caller asks for more than one: at a
+ * real model's size (16 heads of 128 x 128) the state's bytes, read and written once a step, make
+ * the heads memory-bound work worth splitting; at a small one a parallel region costs more than
+ * it saves, and the caller passes 1. Each head is computed whole by one thread in one order, so
+ * the result does not depend on the thread count. `hcw_gdn_decode` steps B sequences whose
  * states are rows of one tensor; `hcw_gdn_decode_rows` B sequences whose states are tensors of
  * their own (a batched decode step of independent requests), given as arrays of B pointers.
  */
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -36,11 +41,11 @@ static void l2_normalise(float *x, int n, float eps, float scale) {
 static void gdn_token(const float *proj, const float *conv_in, float *conv_out, const float *p_taps,
                       const float *p_neg_a, const float *p_dt_bias, const float *p_s_in, float *p_s_out,
                       const float *p_norm_w, float *p_out, float *p_g, float *p_bv,
-                      int HK, int HV, int DK, int DV, int K, float l2_eps, float norm_eps) {
+                      int HK, int HV, int DK, int DV, int K, float l2_eps, float norm_eps, int threads) {
     const int key_dim = HK * DK, value_dim = HV * DV;
     const int C = 2 * key_dim + value_dim, R = HV / HK;
     const float q_scale = 1.0f / sqrtf((float)DK);
-    float mixed[C], pred[DV], u[DV];
+    float mixed[C];
     /* conv: taps [C, K], the state's K-1 inputs oldest first, then this token's */
     for (int c = 0; c < C; c++) {
         const float *hist = conv_in + (long)c * (K - 1), *w = p_taps + (long)c * K;
@@ -59,7 +64,9 @@ static void gdn_token(const float *proj, const float *conv_in, float *conv_out, 
         l2_normalise(mixed + key_dim + h * DK, DK, l2_eps, 1.0f);
     }
     const float *z = proj + C, *b_in = proj + C + value_dim, *a_in = proj + C + value_dim + HV;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int h = 0; h < HV; h++) {
+        float pred[DV], u[DV];
         const float *q = mixed + (h / R) * DK, *k = mixed + key_dim + (h / R) * DK;
         const float *v = mixed + 2 * key_dim + h * DV;
         const float beta = 1.0f / (1.0f + expf(-b_in[h]));
@@ -101,13 +108,13 @@ void hcw_gdn_decode(const float *p_proj, long proj_stride,
                     const float *p_neg_a, const float *p_dt_bias,
                     const float *p_s_in, float *p_s_out, const float *p_norm_w,
                     float *p_out, float *p_g, float *p_bv,
-                    int B, int HK, int HV, int DK, int DV, int K, float l2_eps, float norm_eps) {
+                    int B, int HK, int HV, int DK, int DV, int K, float l2_eps, float norm_eps, int threads) {
     const long conv = (long)(2 * HK * DK + HV * DV) * (K - 1), state = (long)HV * DK * DV;
     for (int b = 0; b < B; b++)
         gdn_token(p_proj + b * proj_stride, p_conv_in + b * conv, p_conv_out + b * conv, p_taps, p_neg_a,
                   p_dt_bias, p_s_in + b * state, p_s_out + b * state, p_norm_w, p_out + (long)b * HV * DV,
                   p_g == NULL ? NULL : p_g + b * HV, p_bv == NULL ? NULL : p_bv + b * HV,
-                  HK, HV, DK, DV, K, l2_eps, norm_eps);
+                  HK, HV, DK, DV, K, l2_eps, norm_eps, threads);
 }
 
 void hcw_gdn_decode_rows(const float *p_proj, long proj_stride,
@@ -115,9 +122,10 @@ void hcw_gdn_decode_rows(const float *p_proj, long proj_stride,
                          const float *p_neg_a, const float *p_dt_bias,
                          const float *const *s_in, float *const *s_out, const float *p_norm_w,
                          float *p_out, float *p_g, float *p_bv,
-                         int B, int HK, int HV, int DK, int DV, int K, float l2_eps, float norm_eps) {
+                         int B, int HK, int HV, int DK, int DV, int K, float l2_eps, float norm_eps,
+                         int threads) {
     for (int b = 0; b < B; b++)
         gdn_token(p_proj + b * proj_stride, conv_in[b], conv_out[b], p_taps, p_neg_a, p_dt_bias, s_in[b], s_out[b],
                   p_norm_w, p_out + (long)b * HV * DV, p_g == NULL ? NULL : p_g + b * HV,
-                  p_bv == NULL ? NULL : p_bv + b * HV, HK, HV, DK, DV, K, l2_eps, norm_eps);
+                  p_bv == NULL ? NULL : p_bv + b * HV, HK, HV, DK, DV, K, l2_eps, norm_eps, threads);
 }

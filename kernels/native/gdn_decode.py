@@ -18,7 +18,10 @@ import torch
 from kernels import native
 from kernels.native import F, I, L, P
 
-_ARGS = [P, L, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, F, F]
+_ARGS = [P, L, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, F, F, I]
+# a recurrent state of at least this many floats a sequence (1 MiB: a real model's 16 heads of
+# 128 x 128) has its value heads split over torch's threads; below, one thread runs the token
+PARALLEL_MIN = 1 << 18
 
 
 class Step(NamedTuple):
@@ -87,7 +90,7 @@ def decode_step(proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
     kernel()(proj.data_ptr(), proj.stride(0), conv.data_ptr(), conv_new.data_ptr(), taps.data_ptr(),
              neg_a.data_ptr(), dt_bias.data_ptr(), recurrent.data_ptr(), rec_new.data_ptr(), norm_w.data_ptr(),
              out.data_ptr(), g.data_ptr() if stats else None, bv.data_ptr() if stats else None,
-             b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps)
+             b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps, _threads(hv * dk * dv))
     return Step(out, conv_new, rec_new, g, bv)
 
 
@@ -124,8 +127,14 @@ def decode_rows(proj: torch.Tensor, conv: list[torch.Tensor], recurrent: list[to
         pointers(*(t.data_ptr() for t in conv_new)), taps.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
         pointers(*(t.data_ptr() for t in recurrent)), pointers(*(t.data_ptr() for t in rec_new)),
         norm_w.data_ptr(), out.data_ptr(), g.data_ptr() if stats else None, bv.data_ptr() if stats else None,
-        b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps)
+        b, n_k, hv, dk, dv, k_minus_1 + 1, l2_eps, norm_eps, _threads(hv * dk * dv))
     return RowSteps(out, conv_new, rec_new, g, bv)
+
+
+def _threads(state_floats: int) -> int:
+    """Threads for one token's value heads: torch's intra-op count for a state of PARALLEL_MIN
+    floats or more, else 1 (a parallel region would cost more than the heads)."""
+    return torch.get_num_threads() if state_floats >= PARALLEL_MIN else 1
 
 
 def _check_shapes(proj: torch.Tensor, conv: torch.Size, recurrent: torch.Size, taps: torch.Tensor,
