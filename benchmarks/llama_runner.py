@@ -15,19 +15,27 @@ import numpy as np
 class LlamaRunner:
     """One Llama object, last-token logits only."""
 
-    def __init__(self, path: Path, n_ctx: int, rollback: int = 0, threads: int = 2):
+    def __init__(self, path: Path, n_ctx: int, rollback: int = 0, threads: int = 2, repack: bool = True):
+        """`repack` False: llama.cpp keeps the weights as stored (no extra buffer types, so no
+        repacked layout for its AMX or other CPU-specific kernels)."""
         import llama_cpp
-        import llama_cpp.llama_cpp as low  # what Llama() reads its context defaults from
+        import llama_cpp.llama_cpp as low  # what Llama() reads its context and model defaults from
 
         self.lib = llama_cpp
-        default = low.llama_context_default_params
+        default, model_default = low.llama_context_default_params, low.llama_model_default_params
 
         def with_rollback():
             params = default()
             params.n_rs_seq = rollback  # experimental recurrent-state snapshots for rollback
             return params
 
-        with _patched(low, "llama_context_default_params", with_rollback if rollback else default):
+        def as_stored():
+            params = model_default()
+            params.use_extra_bufts = False
+            return params
+
+        with (_patched(low, "llama_context_default_params", with_rollback if rollback else default),
+              _patched(low, "llama_model_default_params", model_default if repack else as_stored)):
             self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=2048, n_ubatch=512,
                                        n_threads=threads, n_threads_batch=threads, verbose=False)
         self.vocab = self.llm.n_vocab()

@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,7 @@ class Job:
     turn: int  # the first turn's tokens; the second appends APPEND
     reps: int  # prefills timed, the best kept
     reference: str  # transformers' last-token logits (.npy) for the check prompt
+    repack: bool = True  # llama.cpp: its repacked weight layouts (extra buffer types) allowed
 
     def __post_init__(self) -> None:
         assert self.engine in ("hcw", "llama.cpp") and self.lengths and self.reps >= 1
@@ -152,7 +154,7 @@ class HcwSide:
 class LlamaSide:
     def __init__(self, job: Job):
         self.runner = LlamaRunner(Path(job.path), n_ctx=max(job.turn + APPEND, max(job.lengths) + job.decode_steps),
-                                  threads=THREADS)
+                                  threads=THREADS, repack=job.repack)
 
     def logits(self, ids: list[int]) -> np.ndarray:
         return self.runner.prefill(ids)
@@ -204,16 +206,33 @@ def measure(job: Job) -> Result:
     return Result(load_s, error, bool(got.argmax() == ref.argmax()), prefill, decode, peak, _peak_rss(), turn_s, reused)
 
 
-def run_worker(job: Job) -> Result:
+def run_worker(job: Job) -> tuple[Result, Job]:
+    """The job's result from a fresh process, and the job as it finally ran: a llama.cpp worker
+    killed by a signal with its weights repacked (its AMX q8_0 kernel crashed on a Xeon with
+    AMX, llama.cpp 0.3.36's vendored source) runs once more with them as stored."""
     flag = "--hcw-worker" if job.engine == "hcw" else "--llama-worker"
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
     done = subprocess.run([sys.executable, __file__, flag, json.dumps(dataclasses.asdict(job))], cwd=ROOT,
                           env=env, capture_output=True, text=True)
+    if done.returncode < 0 and job.engine == "llama.cpp" and job.repack:
+        print(f"the llama.cpp {job.fmt} worker died of {_signal_name(done.returncode)} with repacked weights; "
+              "again with them as stored", file=sys.stderr, flush=True)
+        return run_worker(dataclasses.replace(job, repack=False))
     if done.returncode != 0:
-        raise SystemExit(f"the {job.engine} {job.fmt} worker failed:\n{done.stderr[-3000:]}")
+        why = done.stderr.strip()[-3000:] or (_signal_name(done.returncode) if done.returncode < 0
+                                              else f"exit code {done.returncode}")
+        raise SystemExit(f"the {job.engine} {job.fmt} worker failed: {why}")
     result = Result(**json.loads(done.stdout.strip().splitlines()[-1]))
-    print(json.dumps({"engine": job.engine, "format": job.fmt, **dataclasses.asdict(result)}), flush=True)
-    return result
+    print(json.dumps({"engine": job.engine, "format": job.fmt, "repack": job.repack, **dataclasses.asdict(result)}),
+          flush=True)
+    return result, job
+
+
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
 
 
 def prepare(folder: Path, quick: bool, llama_src: Path | None) -> tuple[dict, dict, Path]:
@@ -294,11 +313,16 @@ def tables(raw: dict, results: dict, hcw_only: bool, quick: bool) -> str:
         "|---|---|---:|---:|---:|" + "---:|" * len(next(iter(results.values()))["lengths"]) + "---:|---:|---:|---:|",
     ]
     for (engine, fmt), r in results.items():
-        lines.append(f"| {engine} | {fmt} | {r['weights'] / MIB:,.0f} | {r['load_s']:.2f} | {r['check_error']:.1e}"
+        label = fmt if r["repack"] else f"{fmt} (as stored¹)"
+        lines.append(f"| {engine} | {label} | {r['weights'] / MIB:,.0f} | {r['load_s']:.2f} | {r['check_error']:.1e}"
                      f"{'' if r['check_top1'] else ' (top-1 differs)'} | "
                      + " | ".join(f"{s:.0f}" for s in r["prefill_tok_s"])
                      + f" | {r['decode_tok_s']:.1f} | {r['peak_rss'] / MIB:,.0f} | {r['peak_rss_turn'] / MIB:,.0f} | "
                      f"{1000 * r['turn_s']:.0f} ({r['turn_reused']}) |")
+    if not all(r["repack"] for r in results.values()):
+        lines += ["", "¹ Its worker was killed by a signal with llama.cpp's repacked weight layouts (the CPU's "
+                  "extra buffer types: AMX where the CPU has it) and ran again with the weights as stored "
+                  "(`use_extra_bufts` off)."]
     lines += ["", "| goal | hcw | llama.cpp | hcw / llama.cpp | bound | met |", "|---|---:|---:|---:|---|---|"]
     for g in goals(results):
         met = "—" if g["met"] is None else "met" if g["met"] else "**not met**"
@@ -346,7 +370,9 @@ def main() -> None:
     for engine, fmt in [key for key in order if key in files]:
         path, weights = files[engine, fmt]
         job = Job(engine, fmt, str(path), raw["vocab_size"], lengths, steps, turn, reps, str(reference))
-        results[engine, fmt] = dict(dataclasses.asdict(run_worker(job)), weights=weights, lengths=lengths, turn=turn)
+        result, ran = run_worker(job)
+        results[engine, fmt] = dict(dataclasses.asdict(result), weights=weights, lengths=lengths, turn=turn,
+                                    repack=ran.repack)
     body = tables(raw, results, args.hcw_only, args.quick)
     print(body)
     if not args.no_write:
