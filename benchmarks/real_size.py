@@ -206,18 +206,21 @@ def measure(job: Job) -> Result:
     return Result(load_s, error, bool(got.argmax() == ref.argmax()), prefill, decode, peak, _peak_rss(), turn_s, reused)
 
 
-def run_worker(job: Job) -> tuple[Result, Job]:
-    """The job's result from a fresh process, and the job as it finally ran: a llama.cpp worker
-    killed by a signal with its weights repacked (its AMX q8_0 kernel crashed on a Xeon with
-    AMX, llama.cpp 0.3.36's vendored source) runs once more with them as stored."""
+def run_worker(job: Job) -> tuple[Result, Job, str | None]:
+    """The job's result from a fresh process, the job as it finally ran, and the signal a first
+    run crashed with (None: it did not). A llama.cpp worker
+    that crashed (CRASHES) with its weights repacked (its AMX q8_0 kernel segfaulted on a Xeon with
+    AMX, llama.cpp 0.3.36's vendored source) runs once more with them as stored; a worker killed
+    otherwise (out of memory, interrupted) fails the run."""
     flag = "--hcw-worker" if job.engine == "hcw" else "--llama-worker"
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
     done = subprocess.run([sys.executable, __file__, flag, json.dumps(dataclasses.asdict(job))], cwd=ROOT,
                           env=env, capture_output=True, text=True)
-    if done.returncode < 0 and job.engine == "llama.cpp" and job.repack:
+    if -done.returncode in CRASHES and job.engine == "llama.cpp" and job.repack:
         print(f"the llama.cpp {job.fmt} worker died of {_signal_name(done.returncode)} with repacked weights; "
               "again with them as stored", file=sys.stderr, flush=True)
-        return run_worker(dataclasses.replace(job, repack=False))
+        result, ran, _ = run_worker(dataclasses.replace(job, repack=False))
+        return result, ran, _signal_name(done.returncode)
     if done.returncode != 0:
         why = done.stderr.strip()[-3000:] or (_signal_name(done.returncode) if done.returncode < 0
                                               else f"exit code {done.returncode}")
@@ -225,7 +228,11 @@ def run_worker(job: Job) -> tuple[Result, Job]:
     result = Result(**json.loads(done.stdout.strip().splitlines()[-1]))
     print(json.dumps({"engine": job.engine, "format": job.fmt, "repack": job.repack, **dataclasses.asdict(result)}),
           flush=True)
-    return result, job
+    return result, job, None
+
+
+# the signals a crash of the worker's own code raises (not an out-of-memory kill or an interrupt)
+CRASHES = {signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGABRT}
 
 
 def _signal_name(returncode: int) -> str:
@@ -276,13 +283,19 @@ def goals(results: dict) -> list[dict]:
         for what, key, limit, higher in speeds:
             a, b = _pick(mine, key), other and _pick(other, key)
             ratio = b and a / b
-            rows.append({"goal": f"{what}, hcw {ours} vs llama.cpp {theirs}", "hcw": a, "llama": b, "ratio": ratio,
+            rows.append({"goal": f"{what}, hcw {ours} vs llama.cpp {_label(theirs, other)}", "hcw": a, "llama": b, "ratio": ratio,
                          "bound": f"{'>=' if higher else '<='} {limit}x",
                          "met": None if ratio is None else ratio >= limit if higher else ratio <= limit})
-        rows.append({"goal": f"second turn on a {mine['turn'] // 1024}K conversation (ms), hcw {ours} vs llama.cpp {theirs}",
+        rows.append({"goal": f"second turn on a {mine['turn'] // 1024}K conversation (ms), hcw {ours} vs llama.cpp "
+                             f"{_label(theirs, other)}",
                      "hcw": 1000 * mine["turn_s"], "llama": other and 1000 * other["turn_s"],
                      "ratio": other and mine["turn_s"] / other["turn_s"], "bound": "reported", "met": None})
     return rows
+
+
+def _label(fmt: str, result: dict | None) -> str:
+    """A format as the tables name it: marked where llama.cpp ran it with its weights as stored."""
+    return fmt if result is None or result["repack"] else f"{fmt} (as stored¹)"
 
 
 def _pick(result: dict, key):
@@ -313,16 +326,16 @@ def tables(raw: dict, results: dict, hcw_only: bool, quick: bool) -> str:
         "|---|---|---:|---:|---:|" + "---:|" * len(next(iter(results.values()))["lengths"]) + "---:|---:|---:|---:|",
     ]
     for (engine, fmt), r in results.items():
-        label = fmt if r["repack"] else f"{fmt} (as stored¹)"
-        lines.append(f"| {engine} | {label} | {r['weights'] / MIB:,.0f} | {r['load_s']:.2f} | {r['check_error']:.1e}"
+        lines.append(f"| {engine} | {_label(fmt, r)} | {r['weights'] / MIB:,.0f} | {r['load_s']:.2f} | {r['check_error']:.1e}"
                      f"{'' if r['check_top1'] else ' (top-1 differs)'} | "
                      + " | ".join(f"{s:.0f}" for s in r["prefill_tok_s"])
                      + f" | {r['decode_tok_s']:.1f} | {r['peak_rss'] / MIB:,.0f} | {r['peak_rss_turn'] / MIB:,.0f} | "
                      f"{1000 * r['turn_s']:.0f} ({r['turn_reused']}) |")
     if not all(r["repack"] for r in results.values()):
-        lines += ["", "¹ Its worker was killed by a signal with llama.cpp's repacked weight layouts (the CPU's "
-                  "extra buffer types: AMX where the CPU has it) and ran again with the weights as stored "
-                  "(`use_extra_bufts` off)."]
+        lines += ["", "¹ Its worker crashed (" + ", ".join(sorted({r["crash"] for r in results.values() if r["crash"]}))
+                  + ") with llama.cpp's repacked weight layouts (the CPU's extra buffer types: AMX where the CPU "
+                  "has it) and ran again with the weights as stored (`use_extra_bufts` off): its figures are not "
+                  "llama.cpp's best on this CPU."]
     lines += ["", "| goal | hcw | llama.cpp | hcw / llama.cpp | bound | met |", "|---|---:|---:|---:|---|---|"]
     for g in goals(results):
         met = "—" if g["met"] is None else "met" if g["met"] else "**not met**"
@@ -370,9 +383,9 @@ def main() -> None:
     for engine, fmt in [key for key in order if key in files]:
         path, weights = files[engine, fmt]
         job = Job(engine, fmt, str(path), raw["vocab_size"], lengths, steps, turn, reps, str(reference))
-        result, ran = run_worker(job)
+        result, ran, crash = run_worker(job)
         results[engine, fmt] = dict(dataclasses.asdict(result), weights=weights, lengths=lengths, turn=turn,
-                                    repack=ran.repack)
+                                    repack=ran.repack, crash=crash)
     body = tables(raw, results, args.hcw_only, args.quick)
     print(body)
     if not args.no_write:

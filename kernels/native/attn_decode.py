@@ -1,8 +1,9 @@
 """A gated full-attention layer's decode token up to the attention itself, in one C call (CPU,
-fp32): `attn_decode.c` beside this file norms and rotates the query and key heads, takes the
-sigmoid of the output gate and writes the key and value into the KV buffers, where the torch path
-in engine/model/attention.py runs ~30 ops (its reference: tests/test_native.py compares them).
-The attention over the cache stays with SDPA, which spreads long caches over the threads.
+float32; a bf16 model's token on a float32 copy of its row): `attn_decode.c` beside this file
+norms and rotates the query and key heads, takes the sigmoid of the output gate and writes the
+key and value into the KV buffers, where the torch path in engine/model/attention.py runs ~30 ops
+(its reference: tests/test_native.py compares them). The attention over the cache stays with SDPA
+over a dense cache, kernels/native/paged_decode.c over a paged one.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def applies(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> boo
 
 def applies_upcast(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
     """Whether a bf16 model's decode token can take the kernel on a float32 copy of its projected
-    row (GatedAttention._native_step's `upcast`: the key and value written to a float32 scratch,
-    then rounded into the bf16 buffers): what `applies` asks, with proj and the buffers bf16."""
+    row (GatedAttention._native_step's bf16 branch: the key and value written to a float32 scratch,
+    then rounded into the bf16 buffers): what `applies` asks, with proj and the buffers bf16 (the
+    buffers' layout asked as there, though only the copy into them reads it)."""
     return (proj.device.type == "cpu" and proj.dtype is torch.bfloat16 and k_buf.dtype is torch.bfloat16
             and v_buf.dtype is torch.bfloat16 and proj.dim() == 3 and proj.shape[1] == 1 and proj.stride(-1) == 1
             and k_buf.stride(-1) == 1 and k_buf.stride(-2) == k_buf.shape[-1] and k_buf.stride() == v_buf.stride()
