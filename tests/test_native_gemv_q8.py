@@ -157,15 +157,6 @@ def test_every_path_of_the_source_matches_the_reference(path, tmp_path):
                                  n, k, 2) == 0
         assert torch.isfinite(y).all()
         assert _relative_error(y, native_q8.reference(x, q, scales, bias)) < 1e-5, (n, k)
-        rows = torch.cat([x, -x, 3 * x])  # several rows: each what the one-row product gives it
-        ys = torch.full((3, n), float("nan"))
-        built.hcw_gemm_q8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
-        built.hcw_gemm_q8.restype = ctypes.c_int
-        assert built.hcw_gemm_q8(q.data_ptr(), scales.data_ptr(), rows.data_ptr(), bias.data_ptr(), ys.data_ptr(),
-                                 3, n, k, 2) == 0
-        for i in range(3):
-            assert _relative_error(ys[i:i + 1], native_q8.reference(rows[i:i + 1], q, scales, bias)) < 1e-5, (n, k, i)
-        assert torch.equal(ys[0:1], y)
 
 
 def test_a_row_that_is_not_finite_propagates_as_the_float_product_does():
@@ -194,39 +185,3 @@ def test_the_rounded_row_costs_what_llama_cpps_q8_0_does():
     assert ((got - exact).abs() <= (w.abs() @ half_step.t()).t() * 1.001 + 1e-4).all()
     assert 1e-4 < _relative_error(got, exact) < 1e-2
 
-
-
-@pytest.mark.parametrize("m, n, k", [(1, 7, 31), (5, 1023, 500), (native_q8.MAX_ROWS, 37, 1027)])
-def test_several_rows_are_each_the_one_row_product_to_the_bit(m, n, k):
-    """A short prefill's product (gemm_q8) gives each row what gemv_q8 gives it alone, bit for bit
-    (the same sums in the same order), leading dimensions kept, every output written."""
-    g = torch.Generator().manual_seed(m + n + k)
-    q, scales = quantise(torch.randn(n, k, generator=g))
-    x, bias = torch.randn(1, m, k, generator=g), torch.randn(n, generator=g)
-    got = native_q8.gemm_q8(x, q, scales, bias)
-    assert got.shape == (1, m, n) and torch.isfinite(got).all()
-    for i in range(m):
-        assert torch.equal(got[0, i:i + 1], native_q8.gemv_q8(x[0, i:i + 1].contiguous(), q, scales, bias))
-
-
-def test_a_row_that_is_not_finite_among_several_leaves_the_others_rounded():
-    x, q, scales, _ = _operands(9, 100, False)
-    rows = torch.cat([x, x, 2 * x])
-    rows[1, 3] = float("inf")
-    got = native_q8.gemm_q8(rows, q, scales)
-    assert torch.equal(got[0], native_q8.gemv_q8(x, q, scales)[0]) and torch.equal(got[2], native_q8.gemv_q8(2 * x, q, scales)[0])
-    expected = kernels_q8.linear(rows[1:2], q, scales)
-    assert torch.equal(got[1].isinf(), expected[0].isinf()) and torch.equal(got[1].isnan(), expected[0].isnan())
-
-
-def test_how_many_rows_take_the_several_row_kernel():
-    x, q, scales, bias = _operands(64, 96, True)
-    with torch.no_grad():
-        assert native_q8.rows_apply(torch.randn(1, native_q8.MAX_ROWS, 96), q, scales, bias)
-        assert native_q8.rows_apply(torch.randn(3, 96), q, scales)
-        assert not native_q8.rows_apply(torch.randn(1, native_q8.MAX_ROWS + 1, 96), q, scales)  # the blocks' GEMM then
-        assert not native_q8.rows_apply(torch.randn(3, 192)[:, ::2], q, scales)  # strided rows
-        assert not native_q8.rows_apply(torch.randn(3, 96).bfloat16(), q, scales)
-        assert not native_q8.rows_apply(torch.randn(3, 95), q, scales)
-    with pytest.raises(ValueError, match="gemm_q8"):
-        native_q8.gemm_q8(torch.randn(3, 192)[:, ::2], q, scales)

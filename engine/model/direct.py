@@ -50,10 +50,8 @@ class Linear(Direct, nn.Linear):
     blocks. Rounds differently from one matmul in the last bits (a sum of partial sums).
 
     With int8 weights (`quantise`: kernels/q8's format, engine/model/int8.py) the float weight is
-    gone: one row takes the native int8 kernel, up to MAX_ROWS rows its several-row form (integer
-    sums, the weight read once), more rows the reference's product (a block of weight rows
-    dequantised at a time, multiplied by `linear`); the rows rounded to int8 per group on every
-    path, so they agree to float32 rounding."""
+    gone: one row takes the native int8 kernel, several rows the reference's product (a block of
+    weight rows dequantised at a time, multiplied by `linear`), both in float32."""
 
     int8 = False  # the weight is held as `weight_q8` and `weight_scale` (quantise)
 
@@ -62,8 +60,6 @@ class Linear(Direct, nn.Linear):
             q, scales, bias = self._buffers["weight_q8"], self._buffers["weight_scale"], self._parameters["bias"]
             if x.numel() == self.in_features and native_gemv_q8.applies(x, q, scales, bias):
                 return native_gemv_q8.gemv_q8(x, q, scales, bias)
-            if native_gemv_q8.rows_apply(x, q, scales, bias):  # a short prefill: the weight read as int8
-                return native_gemv_q8.gemm_q8(x, q, scales, bias)
             return q8.linear(x, q, scales, bias, product=linear)
         if x.numel() == self.in_features and not torch.is_grad_enabled():
             w = self._parameters["weight"]

@@ -23,7 +23,7 @@
  * group shorter than 32) are summed in C, in integers, on every path.
  *
  * q is row-major [N, K] (K contiguous), scales [N, G] with G = ceil(K / 32); x, bias (NULL: none)
- * and y contiguous float32. `hcw_gemm_q8` takes several rows (a short prefill), `hcw_gemv_q8` one.
+ * and y contiguous float32. Returns 0, or -1 when the row's scratch cannot be allocated.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -183,49 +183,32 @@ int hcw_gemv_q8_path(void) {
 #endif
 }
 
-/* M rows x [M, K] against the weight: y [M, N], row m's outputs those of one row's product of
- * x[m] to the bit (the same sums in the same order). Each block of four weight rows is read from
- * memory once for all M rows (the next rows find it in the cache), so a short prefill reads the
- * int8 weight as a decode step does. Returns 0, or -1 when the rows' scratch cannot be allocated. */
-int hcw_gemm_q8(const int8_t *p_q, const float *p_scales, const float *p_x, const float *p_bias, float *p_y,
-                long M, long N, long K, int threads) {
-    const long G = (K + GROUP - 1) / GROUP, g1 = G > 0 ? G : 1;
-    Row *x = malloc(sizeof(Row) * (size_t)(M > 0 ? M : 1));
-    uint8_t *mag = malloc((size_t)(M > 0 ? M : 1) * (size_t)g1 * GROUP);
-    uint32_t *neg = malloc(sizeof(uint32_t) * (size_t)(M > 0 ? M : 1) * (size_t)g1);
-    float *d = malloc(sizeof(float) * (size_t)(M > 0 ? M : 1) * (size_t)g1);
-    int *finite = malloc(sizeof(int) * (size_t)(M > 0 ? M : 1));
-    if (x == NULL || mag == NULL || neg == NULL || d == NULL || finite == NULL) {
-        free(x), free(mag), free(neg), free(d), free(finite);
+int hcw_gemv_q8(const int8_t *p_q, const float *p_scales, const float *p_x, const float *p_bias, float *p_y,
+                long N, long K, int threads) {
+    const long G = (K + GROUP - 1) / GROUP;
+    Row x;
+    x.mag = malloc((size_t)(G > 0 ? G : 1) * GROUP);
+    x.neg = malloc(sizeof(uint32_t) * (size_t)(G > 0 ? G : 1));
+    x.d = malloc(sizeof(float) * (size_t)(G > 0 ? G : 1));
+    if (x.mag == NULL || x.neg == NULL || x.d == NULL) {
+        free(x.mag), free(x.neg), free(x.d);
         return -1;
     }
-    for (long m = 0; m < M; m++) {
-        x[m].mag = mag + m * g1 * GROUP;
-        x[m].neg = neg + m * g1;
-        x[m].d = d + m * g1;
-        finite[m] = quantise_row(p_x + m * K, K, G, &x[m]) == 0;
-    }
+    const int finite = quantise_row(p_x, K, G, &x) == 0;
     const long blocks = (N + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long b = 0; b < blocks; b++) {
         const long r0 = b * 4;
         const int R = N - r0 < 4 ? (int)(N - r0) : 4;
+        float acc[4];
         const int8_t *q = p_q + r0 * K;
         const float *s = p_scales + r0 * G;
-        for (long m = 0; m < M; m++) {
-            float acc[4];
-            if (!finite[m]) for (int r = 0; r < R; r++) acc[r] = float_row(q + r * K, s + r * G, p_x + m * K, K, G);
-            /* R a constant in each call, so the accumulators stay in registers */
-            else if (R == 4) rows(q, s, &x[m], K, G, 4, acc);
-            else for (int r = 0; r < R; r++) rows(q + r * K, s + r * G, &x[m], K, G, 1, acc + r);
-            for (int r = 0; r < R; r++) p_y[m * N + r0 + r] = acc[r] + (p_bias != NULL ? p_bias[r0 + r] : 0.0f);
-        }
+        if (!finite) for (int r = 0; r < R; r++) acc[r] = float_row(q + r * K, s + r * G, p_x, K, G);
+        /* R a constant in each call, so the accumulators stay in registers */
+        else if (R == 4) rows(q, s, &x, K, G, 4, acc);
+        else for (int r = 0; r < R; r++) rows(q + r * K, s + r * G, &x, K, G, 1, acc + r);
+        for (int r = 0; r < R; r++) p_y[r0 + r] = acc[r] + (p_bias != NULL ? p_bias[r0 + r] : 0.0f);
     }
-    free(x), free(mag), free(neg), free(d), free(finite);
+    free(x.mag), free(x.neg), free(x.d);
     return 0;
-}
-
-int hcw_gemv_q8(const int8_t *p_q, const float *p_scales, const float *p_x, const float *p_bias, float *p_y,
-                long N, long K, int threads) {
-    return hcw_gemm_q8(p_q, p_scales, p_x, p_bias, p_y, 1, N, K, threads);
 }

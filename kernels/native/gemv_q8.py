@@ -24,21 +24,12 @@ _ARGS = [P, P, P, P, P, L, L, I]
 # microseconds' work, about what waking a second thread costs (and far more when the cores are
 # busy with other processes)
 THREADED_MIN_ELEMENTS = 1 << 18
-# a product of at most this many rows reads the int8 weight through `gemm_q8` (integer sums, the
-# weight read once); more rows take kernels.q8's blocks of dequantised rows and a float32 GEMM,
-# whose fixed cost (dequantising the whole weight) more rows amortise (docs/BENCHMARKS.md)
-MAX_ROWS = 64
-
-
-_ROWS_ARGS = [P, P, P, P, P, L, L, L, I]
 
 
 def kernel(symbol: str = "hcw_gemv_q8"):
     """The C function, or None where the native kernels are off or could not be built."""
     if symbol == "hcw_gemv_q8":
         return native.function("gemv_q8", symbol, _ARGS, restype=I)
-    if symbol == "hcw_gemm_q8":
-        return native.function("gemv_q8", symbol, _ROWS_ARGS, restype=I)
     return native.function("gemv_q8", symbol, [], restype=I)
 
 
@@ -80,38 +71,9 @@ def gemv_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.
     return y
 
 
-def rows_apply(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether a product of several rows (a short prefill's, up to MAX_ROWS) takes `gemm_q8`:
-    contiguous float32 rows x [..., M, K] on the CPU, the rest as `applies` asks."""
-    k = q.shape[-1] if q.dim() == 2 else -1
-    m = x.numel() // k if k > 0 and x.shape[-1] == k else 0
-    return (1 <= m <= MAX_ROWS and q.dim() == 2 and x.device.type == "cpu" and q.device.type == "cpu"
-            and _takes(x.reshape(m, k)[:1], q, scales, bias) and x.is_contiguous()
-            and native.enabled() and kernel("hcw_gemm_q8") is not None)
-
-
-def gemm_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-            threads: int | None = None) -> torch.Tensor:
-    """x [..., M, K] (M contiguous float32 rows) against the weight -> [..., M, N] float32, each row
-    what `gemv_q8` gives it to the bit; the weight read from memory once for all the rows. Check
-    `rows_apply` first."""
-    n, k = q.shape
-    m = x.numel() // k
-    if x.shape[-1] != k or not x.is_contiguous() or not _takes(x.reshape(m, k)[:1], q, scales, bias):
-        raise ValueError(f"gemm_q8: needs contiguous float32 rows of {k}, an int8 weight [N, K], float32 scales "
-                         f"and bias; got x {tuple(x.shape)} {x.dtype}, q {tuple(q.shape)}, scales {tuple(scales.shape)}")
-    y = dispatch.empty(*x.shape[:-1], n, dtype=torch.float32, device=torch.device("cpu"))
-    status = kernel("hcw_gemm_q8")(q.data_ptr(), scales.data_ptr(), x.data_ptr(),
-                                   None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                                   threads or (torch.get_num_threads() if q.numel() >= THREADED_MIN_ELEMENTS else 1))
-    if status != 0:
-        raise MemoryError("gemm_q8: no memory to quantise the rows")
-    return y
-
-
 def path() -> str:
     """Which of the kernel's paths this processor's build takes: avx512 (VNNI), avx2 or c."""
     return ("c", "avx2", "avx512")[kernel("hcw_gemv_q8_path")()]
 
 
-__all__ = ["applies", "gemm_q8", "gemv_q8", "path", "reference", "rows_apply"]
+__all__ = ["applies", "gemv_q8", "path", "reference"]
