@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.q8 import GROUP, dequantise, groups, linear, linear_q8_row, quantise, round_rows
+from kernels.q8 import GROUP, dequantise, groups, linear, quantise
 from kernels.q8 import reference as q8_reference
 
 
@@ -49,45 +49,14 @@ def test_scales_of_the_wrong_shape_are_refused():
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_the_product_a_block_of_rows_at_a_time_is_the_whole_ones(monkeypatch, bias):
-    """A prefill's path dequantises a block of weight rows at a time; the result is the product of
-    the rounded rows with the whole dequantised weight, to float32 rounding."""
+    """A prefill's path dequantises a block of weight rows at a time; the result is the product
+    with the whole dequantised weight, to float32 rounding."""
     g = torch.Generator().manual_seed(42)
     q, scales = quantise(torch.randn(1023, 63, generator=g))
     x = torch.randn(2, 5, 63, generator=g).to(torch.bfloat16)
     b = torch.randn(1023, generator=g) if bias else None
-    whole = F.linear(round_rows(x.float()), dequantise(q, scales), b)
+    whole = F.linear(x.float(), dequantise(q, scales), b)
     monkeypatch.setattr(q8_reference, "BLOCK_BYTES", 100 * 63 * 4)  # 11 blocks, the last one short
     got = linear(x, q, scales, b)
     assert got.shape == (2, 5, 1023) and got.dtype is torch.float32
     assert ((got - whole).norm() / whole.norm()).item() < 1e-6
-
-
-def test_rows_are_rounded_as_weight_rows_and_a_row_that_is_not_finite_is_not():
-    """round_rows is quantise then dequantise, row by row (each row its own scales), whatever the
-    leading dimensions; a row holding NaN or infinity is left as it is, the others still rounded."""
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(2, 3, 70, generator=g) * torch.logspace(-2, 2, 3)[:, None]
-    x[1, 2, 5] = float("nan")
-    got = round_rows(x)
-    assert got.shape == x.shape and got.dtype is torch.float32
-    for i in range(2):
-        for j in range(3):
-            if i == 1 and j == 2:
-                assert torch.equal(got[i, j].isnan(), x[i, j].isnan())
-                assert torch.equal(got[i, j].nan_to_num(), x[i, j].nan_to_num())
-                continue
-            q, scales = quantise(x[i, j].view(1, 70))
-            assert torch.equal(got[i, j], dequantise(q, scales)[0])
-    assert not torch.equal(got[0, 0], x[0, 0])  # rounding happened
-
-
-def test_one_rows_product_in_integers_is_the_rounded_rows_product():
-    """linear_q8_row (the native kernel's contract: integer sums per group) and linear (a
-    prefill's path: rounded rows times the dequantised weight) agree to float32 rounding, so a
-    token's logits do not depend on the size of the chunk it came in."""
-    g = torch.Generator().manual_seed(9)
-    q, scales = quantise(torch.randn(300, 97, generator=g))
-    x, b = torch.randn(1, 97, generator=g), torch.randn(300, generator=g)
-    one, block = linear_q8_row(x, q, scales, b), linear(x, q, scales, b)
-    assert ((one - block).norm() / block.norm()).item() < 1e-6
-    assert ((one - F.linear(x, dequantise(q, scales), b)).norm() / block.norm()).item() > 1e-4  # x was rounded

@@ -11,7 +11,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from engine.cache import prefix_cache
 from engine.cache.config import CacheConfig
 from engine.cache.prefix_cache import IDENTITY_BYTES, PrefixCache, layout_fingerprint, layout_identity
 from engine.engine import Engine, SamplingParams
@@ -43,17 +42,6 @@ def test_the_fingerprint_is_the_models_identity_and_its_weights_format(models):
     assert len(set(prints.values())) == 3
     assert len({layout_identity(p) for p in prints.values()}) == 1  # the same files, block size, config
     assert layout_identity(layout_fingerprint(models["int8"], CacheConfig(block_size=32))) != layout_identity(prints["int8"])
-
-
-def test_an_int8_models_format_names_its_products_arithmetic(models, monkeypatch):
-    """Since int8 products round their rows (kernels/q8), an int8 cache made before computed other
-    states from the same weights: the format part names the arithmetic, so such a cache is another
-    format (refused at layer 2), while the identity, and the other formats, stay as they were."""
-    before = {d: layout_fingerprint(m, CFG) for d, m in models.items()}
-    monkeypatch.setattr(prefix_cache, "INT8_ARITHMETIC", "rows as given")
-    after = {d: layout_fingerprint(m, CFG) for d, m in models.items()}
-    assert after["int8"] != before["int8"] and layout_identity(after["int8"]) == layout_identity(before["int8"])
-    assert after["bf16"] == before["bf16"] and after["fp32"] == before["fp32"]
 
 
 @pytest.mark.parametrize("saved, reopened", [("bf16", "int8"), ("int8", "bf16"), ("fp32", "int8")])

@@ -48,9 +48,6 @@ from engine.metrics import CacheMetrics
 
 READ_AHEAD = 32  # segments a fetch asks the lower tier for at once (one query each for rows and blobs)
 LAYOUT_VERSION = 2  # bump when a state piece's layout changes (2: GDN decay statistics)
-# an int8 model's products round their rows to int8 per group (kernels/q8, since session 20): the
-# states it computes differ from those an int8 model made before, whose format lacked this
-INT8_ARITHMETIC = "rows rounded per group of 32"
 
 
 IDENTITY_BYTES = 16  # a layout fingerprint's first part: the model's identity
@@ -63,8 +60,7 @@ def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
                        of the weights: the files' for a loaded model (`load_model` sets
                        `weights_digest`, cached per file), the tensors' for one built in memory
         format (16)    what the loader made of them in memory: the dtype and every tensor's name,
-                       dtype and shape (int8 weights are int8 tensors and their scales), and for
-                       int8 the arithmetic of its products (INT8_ARITHMETIC)
+                       dtype and shape (int8 weights are int8 tensors and their scales)
 
     Segment keys chain the identity only (`layout_identity`), so the segments a lower tier holds
     of the same model under another weights format are still found, a logical hit, and validation
@@ -79,10 +75,7 @@ def layout_fingerprint(model, cfg: CacheConfig) -> bytes:
     identity.update(b"files:" + weights if weights is not None else b"tensors:" + tensors_digest(model))
     # and what the loader made of the files: a loader change that lays them out anew is another layout
     tensors = [[k, str(v.dtype), list(v.shape)] for k, v in sorted(model.state_dict().items())]
-    made = [str(model.dtype), tensors]
-    if weights_format(model) == "int8":  # its products' rows rounded too (kernels/q8), unlike before
-        made.append(INT8_ARITHMETIC)
-    fmt = hashlib.blake2b(json.dumps(made).encode(), digest_size=16)
+    fmt = hashlib.blake2b(json.dumps([str(model.dtype), tensors]).encode(), digest_size=16)
     return identity.digest() + fmt.digest()
 
 

@@ -1,10 +1,7 @@
 """One float32 row against an int8 weight with per-group scales (kernels/q8's format: a decode
-step's projection under `--dtype int8`) in one C call: `gemv_q8.c` beside this file, the row
-quantised per group as a weight row is and each group's products summed in integers (llama.cpp's
-q8_0 dot product), the rows split over torch's intra-op threads. `reference` is that contract in
-torch (kernels.q8.linear_q8_row; tests/test_native_gemv_q8.py compares them); wherever the kernel
-does not apply, the product is kernels.q8's float32 one of the rounded row (`linear`), which
-differs from it only in the order of the sums.
+step's projection under `--dtype int8`) in one C call: `gemv_q8.c` beside this file, the rows split
+over torch's intra-op threads. `reference` is kernels.q8's float32 product, which is the path
+wherever the kernel does not apply (tests/test_native_gemv_q8.py compares them).
 
 Unlike the bf16 kernel (gemv.py) it applies at every size: the torch path dequantises the weight
 on each call, which costs more than the product itself.
@@ -17,7 +14,7 @@ import torch
 from kernels import dispatch, native
 from kernels.native import I, L, P
 from kernels.q8 import groups
-from kernels.q8 import linear_q8_row as reference
+from kernels.q8 import linear as reference
 
 _ARGS = [P, P, P, P, P, L, L, I]
 # a weight smaller than this many elements (256 KB of int8) is read by one thread: it is a few
@@ -29,7 +26,7 @@ THREADED_MIN_ELEMENTS = 1 << 18
 def kernel(symbol: str = "hcw_gemv_q8"):
     """The C function, or None where the native kernels are off or could not be built."""
     if symbol == "hcw_gemv_q8":
-        return native.function("gemv_q8", symbol, _ARGS, restype=I)
+        return native.function("gemv_q8", symbol, _ARGS)
     return native.function("gemv_q8", symbol, [], restype=I)
 
 
@@ -51,8 +48,7 @@ def applies(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.
 
 def gemv_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
             threads: int | None = None) -> torch.Tensor:
-    """x [..., K] (one float32 row, quantised as `reference` says) @ dequantise(q, scales)^T
-    (+ bias) -> [..., N] float32, on
+    """x [..., K] (one float32 row) @ dequantise(q, scales)^T (+ bias) -> [..., N] float32, on
     `threads` threads (default: torch's intra-op count, one below THREADED_MIN_ELEMENTS). Shapes,
     dtypes and layouts are checked here; check `applies` first for whether the kernel is the right
     path."""
@@ -63,16 +59,13 @@ def gemv_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.
                          f"{x.dtype}, q {tuple(q.shape)} {q.dtype}, scales {tuple(scales.shape)} {scales.dtype}{bias_text}")
     n, k = q.shape
     y = dispatch.empty(*x.shape[:-1], n, dtype=torch.float32, device=torch.device("cpu"))
-    status = kernel()(q.data_ptr(), scales.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                      y.data_ptr(), n, k,
-                      threads or (torch.get_num_threads() if q.numel() >= THREADED_MIN_ELEMENTS else 1))
-    if status != 0:
-        raise MemoryError("gemv_q8: no memory to quantise the row")
+    kernel()(q.data_ptr(), scales.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+             y.data_ptr(), n, k, threads or (torch.get_num_threads() if q.numel() >= THREADED_MIN_ELEMENTS else 1))
     return y
 
 
 def path() -> str:
-    """Which of the kernel's paths this processor's build takes: avx512 (VNNI), avx2 or c."""
+    """Which of the kernel's paths this processor's build takes: avx512, avx2 or c."""
     return ("c", "avx2", "avx512")[kernel("hcw_gemv_q8_path")()]
 
 

@@ -9,17 +9,9 @@ multiple), and a group's scale is its largest magnitude over 127, so that
 
 and each weight is off by at most half a step (scales / 2). A group of zeros has scale 0. The
 scales are float32 (q8_0 keeps fp16): 9 bits a weight instead of 8.5, and no group is too small
-or too large for its scale.
-
-The activations are rounded the same way, as llama.cpp's q8_0 products round them: each row of x
-to its int8 value per group of 32 times that group's scale (`round_rows`), so a product's terms
-are integers times scales. `linear` is round_rows(x) @ dequantise(q, scales)^T in float32, a
-block of rows of the weight dequantised at a time, so a product never holds the whole weight in
-float32 (a prefill's path); `linear_q8_row` is the same product for one row with each group's
-products summed exactly in integers, the contract of kernels/native/gemv_q8.c (a decode step's
-path). The two differ only in the order of float32 sums, so a prompt's logits do not depend on
-whether its last token came in a chunk of one row or of many. A row that is not finite has no
-int8 form and is multiplied as it is (NaN and infinity propagate).
+or too large for its scale. Activations stay float: `linear` is x @ dequantise(q, scales)^T in
+float32, a block of rows of the weight dequantised at a time, so a product never holds the whole
+weight in float32 (a prefill's path; one row takes kernels/native/gemv_q8.c).
 """
 
 from __future__ import annotations
@@ -69,26 +61,11 @@ def dequantise(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
            product: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
-    """round_rows(x) [..., K] @ dequantise(q, scales)^T (+ bias) -> [..., N] in float32, a block
-    of weight rows (BLOCK_BYTES of float32) dequantised and multiplied at a time by `product`
-    (F.linear's signature: the engine passes its CPU GEMM)."""
+    """x [..., K] @ dequantise(q, scales)^T (+ bias) -> [..., N] in float32, a block of weight
+    rows (BLOCK_BYTES of float32) dequantised and multiplied at a time by `product` (F.linear's
+    signature: the engine passes its CPU GEMM)."""
     n, k = q.shape
-    return block_linear(round_rows(x), n, k, lambda lo, hi: dequantise(q[lo:hi], scales[lo:hi]), bias, product)
-
-
-def round_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] in float32, each row rounded as `quantise` rounds a weight row: per group of
-    GROUP columns to q * scale, q = x / scale rounded to nearest even, scale = the group's largest
-    magnitude over 127. A row holding a value that is not finite is left as it is."""
-    k = x.shape[-1]
-    rows = x.reshape(-1, k).float()
-    g = groups(k)
-    padded = F.pad(rows, (0, g * GROUP - k)).view(-1, g, GROUP)
-    d = padded.abs().amax(-1) / 127
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    rounded = (torch.round(padded / safe[..., None]).clamp_(-127, 127) * d[..., None]).view(-1, g * GROUP)[:, :k]
-    finite = torch.isfinite(rows).all(-1, keepdim=True)
-    return torch.where(finite, rounded, rows).view(x.shape)
+    return block_linear(x, n, k, lambda lo, hi: dequantise(q[lo:hi], scales[lo:hi]), bias, product)
 
 
 def block_linear(x: torch.Tensor, n: int, k: int, weight_rows: Callable[[int, int], torch.Tensor],
@@ -109,25 +86,3 @@ def block_linear(x: torch.Tensor, n: int, k: int, weight_rows: Callable[[int, in
         hi = min(n, lo + rows)
         y[..., lo:hi] = product(xf, weight_rows(lo, hi), None if b is None else b[lo:hi])
     return y
-
-
-def linear_q8_row(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One row x [..., K] against (q, scales), the row quantised too: (xq, d) = quantise(x), each
-    group's products summed exactly in integers, times scales[n, g] * d[g], summed over the groups
-    in float64 (+ bias) -> [..., N] float32: `linear` of the row but for the order of the sums. A
-    row that is not finite has no int8 form: `linear` of it (NaN and infinity propagate)."""
-    n, k = q.shape
-    row = x.reshape(1, k).float()
-    if not torch.isfinite(row).all():
-        return linear(x, q, scales, bias)
-    xq, d = quantise(row)
-    g = groups(k)
-    pad = g * GROUP - k
-    qi = F.pad(q, (0, pad)).view(n, g, GROUP).long()
-    xi = F.pad(xq, (0, pad)).view(1, g, GROUP).long()
-    sums = (qi * xi).sum(-1)  # [N, G], exact
-    y = (sums.double() * (scales.float() * d).double()).sum(-1)
-    if bias is not None:
-        y = y + bias.double()
-    return y.float().view(*x.shape[:-1], n)
