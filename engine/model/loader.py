@@ -28,6 +28,7 @@ from engine.model.hybrid import HybridModel
 from engine.model.int8 import int8_weights
 from engine.model.weights_digest import files_digest, header_digest
 from kernels import q8
+from kernels.native import quantise_q8 as native_quantise
 
 LOADER_VERSION = 1  # bump when load_model turns the same files into different tensors (part of the digest)
 
@@ -344,7 +345,8 @@ def _quantise(state: dict[str, torch.Tensor], names, fused: dict[str, list[tuple
             for lo in range(0, len(v), step):
                 hi = min(len(v), lo + step)
                 try:
-                    q[row + lo:row + hi], scales[row + lo:row + hi] = q8.quantise(v[lo:hi].to(device))
+                    # (one C pass on the CPU, kernels/native/quantise_q8.c; the torch reference elsewhere)
+                    native_quantise.quantise(v[lo:hi].to(device), out=(q[row + lo:row + hi], scales[row + lo:row + hi]))
                 except ValueError as e:
                     raise WeightsError(f"tensor {cfg.weight_prefix + name!r} cannot be held as int8: {e}") from None
                 dropper.add(v[lo:hi].nbytes)

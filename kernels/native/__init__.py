@@ -47,7 +47,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
 # key-value head) pairs and gdn_decode a large state's value heads over OpenMP threads, in the
 # runtime torch has already loaded (libgomp.so.1), so they are torch's own pool
 KERNEL_FLAGS = {"gemv": ("-fopenmp",), "gemv_q8": ("-fopenmp",), "paged_decode": ("-fopenmp",),
-                "gdn_decode": ("-fopenmp",)}
+                "gdn_decode": ("-fopenmp",), "quantise_q8": ("-fopenmp",)}
 # the argument types the launchers declare their C functions with
 P, I, F, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
