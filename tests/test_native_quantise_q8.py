@@ -19,11 +19,15 @@ from kernels.q8 import quantise
 pytestmark = pytest.mark.usefixtures("native_required")
 
 
+def _bits(scales: torch.Tensor) -> torch.Tensor:
+    return scales.contiguous().view(torch.int32)  # (torch.equal takes -0.0 for +0.0)
+
+
 def _same(w: torch.Tensor, threads: int | None = None) -> None:
     assert native_quantise.applies(w)
     got_q, got_s = native_quantise.quantise(w, threads)
     want_q, want_s = quantise(w)
-    assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+    assert torch.equal(got_q, want_q) and torch.equal(_bits(got_s), _bits(want_s))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,15 +40,22 @@ def test_q_and_scales_are_the_references_to_the_bit(dtype, k):
 
 
 def test_ties_zeros_underflowing_scales_and_strided_rows():
-    w = torch.zeros(6, 64)
+    w = torch.zeros(8, 64)
     w[0, :32] = torch.arange(-15.5, 16.5)  # scale 16.5 / 127: quotients near halves
     w[1, 0], w[1, 1:32] = 127.0, torch.arange(0.5, 31.5)  # scale exactly 1: exact ties, to even
-    w[2, :32] = 1e-40  # subnormal weights: the scale underflows to 0
+    w[2, :32] = 1e-40  # subnormal weights: a subnormal scale
     w[3, :32] = torch.tensor(3e-37).repeat(32) * torch.linspace(-1, 1, 32)  # a subnormal scale
     w[4, 32:] = -2.0  # a group of zeros beside one of equal values
     w[5] = torch.linspace(-1, 1, 64) ** 3
+    w[6, :32] = 1e-44  # weights above zero whose scale underflows to 0: q 0 (the reference divides by 1)
+    w[7, :32] = -0.0  # negative zeros: scale +0
+    w[7, 32:40] = -0.0
+    w[7, 40] = 3.0
     _same(w)
-    assert native_quantise.quantise(w)[0][1, 1:5].tolist() == [0, 2, 2, 4]  # 0.5, 1.5, 2.5, 3.5 to even
+    q, scales = native_quantise.quantise(w)
+    assert q[1, 1:5].tolist() == [0, 2, 2, 4]  # 0.5, 1.5, 2.5, 3.5 to even
+    assert scales[6, 0].item() == 0.0 and not q[6].any() and w[6, 0] > 0
+    assert _bits(scales[7:8, :1]).item() == 0  # +0, not -0
     wide = torch.randn(9, 100)
     _same(wide[:, 7:70])  # rows of 63 within rows of 100
     _same(torch.randn(5, 40).bfloat16()[:, :33])
@@ -95,10 +106,12 @@ def test_the_loader_quantises_through_the_kernel(tmp_path, monkeypatch):
     monkeypatch.setattr(native_quantise, "kernel", counted)
     int8, fp32 = load_model(folder, dtype="int8", device="cpu"), load_model(folder, dtype="fp32", device="cpu")
     assert calls
-    down, ref = int8.layers[0].mlp.down_proj, fp32.layers[0].mlp.down_proj
-    q, scales = quantise(ref.weight.detach().t().contiguous() if ref.weight.shape != down.weight_q8.shape
-                         else ref.weight.detach())
-    assert torch.equal(down.weight_q8, q) and torch.equal(down.weight_scale, scales)
+    float_modules = dict(fp32.named_modules())
+    held = [(name, mod) for name, mod in int8.named_modules() if getattr(mod, "int8", False)]
+    assert any("qkv" in name or "in_proj" in name for name, _ in held)  # fused ones among them
+    for name, mod in held:
+        q, scales = quantise(float_modules[name].weight.detach())
+        assert torch.equal(mod.weight_q8, q) and torch.equal(_bits(mod.weight_scale), _bits(scales)), name
     assert loader.native_quantise is native_quantise
 
 
@@ -106,12 +119,12 @@ def test_it_writes_into_rows_of_the_whole_weights_tensors():
     """The loader quantises a block of rows at a time straight into the whole weight's q and
     scales; a destination of the wrong shape, dtype or layout is refused before anything is written."""
     w = torch.randn(10, 70)
-    q, scales = torch.zeros(10, 70, dtype=torch.int8), torch.zeros(10, 3)
+    q, scales = torch.full((10, 70), -128, dtype=torch.int8), torch.full((10, 3), float("nan"))  # poisoned
     native_quantise.quantise(w[:4], out=(q[:4], scales[:4]))
     native_quantise.quantise(w[4:], out=(q[4:], scales[4:]))
     want = quantise(w)
     assert torch.equal(q, want[0]) and torch.equal(scales, want[1])
-    ref_q, ref_s = torch.zeros(10, 70, dtype=torch.int8), torch.zeros(10, 3)
+    ref_q, ref_s = torch.full((10, 70), -128, dtype=torch.int8), torch.full((10, 3), float("nan"))
     native_quantise.quantise(w.t().contiguous().t(), out=(ref_q, ref_s))  # the reference's path, copied in
     assert torch.equal(ref_q, want[0]) and torch.equal(ref_s, want[1])
     for bad in ((q[:, :69], scales), (q.float(), scales), (q, scales[:, :2]), (q.t().contiguous().t(), scales)):

@@ -319,8 +319,9 @@ def _final_layout(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch
     dropper.flush()
 
 
-# float32 bytes of the rows quantised at once: q8.quantise makes a few float32 temporaries of the
-# block, which sit on top of the int8 weights and the file pages not yet given back at the load's
+# float32 bytes of the rows quantised at once: between two blocks the file pages read are given
+# back; where the C quantiser does not apply (CUDA, fp16), q8.quantise makes a few float32
+# temporaries of the block, which sit on top of the int8 weights and those pages at the load's
 # peak (counted in the source's bytes, a bf16 block's temporaries were twice as large)
 _QUANTISE_BLOCK = 8 << 20
 

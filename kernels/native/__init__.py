@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
 # a kernel's flags besides FLAGS: gemv and gemv_q8 split their rows, paged_decode its (sequence,
-# key-value head) pairs and gdn_decode a large state's value heads over OpenMP threads, in the
-# runtime torch has already loaded (libgomp.so.1), so they are torch's own pool
+# key-value head) pairs, gdn_decode a large state's value heads and quantise_q8 (an int8 load's)
+# its rows over OpenMP threads, in the runtime torch has already loaded (libgomp.so.1), so they
+# are torch's own pool
 KERNEL_FLAGS = {"gemv": ("-fopenmp",), "gemv_q8": ("-fopenmp",), "paged_decode": ("-fopenmp",),
                 "gdn_decode": ("-fopenmp",), "quantise_q8": ("-fopenmp",)}
 # the argument types the launchers declare their C functions with

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
+from kernels import dispatch, native
 from kernels.dispatch import mode as kernels_mode
 from kernels.native import I, L, P
 from kernels.q8 import groups
@@ -27,7 +27,8 @@ def applies(w: torch.Tensor) -> bool:
     """A float32 or bf16 weight [N, K] on the CPU with rows of K contiguous, not one autograd
     tracks (the loader's weights are not; quantising has no gradient either way), kernels not
     forced to a path, the kernel built."""
-    return (w.dim() == 2 and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+    return (w.dim() == 2 and w.layout == torch.strided and w.device.type == "cpu"
+            and w.dtype in (torch.float32, torch.bfloat16)
             and (w.shape[1] <= 1 or w.stride(1) == 1) and w.stride(0) >= w.shape[1]
             and not (torch.is_grad_enabled() and w.requires_grad) and kernels_mode() == "auto"
             and kernel() is not None)
@@ -40,6 +41,8 @@ def quantise(w: torch.Tensor, threads: int | None = None,
     the weight's whole q and scales); a weight that is not finite raises ValueError, as the
     reference does."""
     if w.dim() != 2:
+        if out is not None:
+            raise ValueError(f"quantise: a float [N, K] weight, not {w.dtype} {tuple(w.shape)}")
         return reference(w)  # (which says what it takes)
     n, k = w.shape
     if out is not None and not (out[0].shape == (n, k) and out[0].dtype is torch.int8 and out[0].is_contiguous()
@@ -53,7 +56,8 @@ def quantise(w: torch.Tensor, threads: int | None = None,
         out[0].copy_(q)
         out[1].copy_(scales)
         return out
-    q, scales = out if out is not None else (torch.empty(n, k, dtype=torch.int8), torch.empty(n, groups(k), dtype=torch.float32))
+    q, scales = out if out is not None else (dispatch.empty(n, k, dtype=torch.int8, device=w.device),
+                                                 dispatch.empty(n, groups(k), dtype=torch.float32, device=w.device))
     if n and k:
         bad = kernel()(w.data_ptr(), w.dtype is torch.bfloat16, n, k, w.stride(0), q.data_ptr(), scales.data_ptr(),
                        threads or torch.get_num_threads())
