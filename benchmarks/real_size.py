@@ -208,10 +208,10 @@ def measure(job: Job) -> Result:
 
 def run_worker(job: Job) -> tuple[Result, Job, str | None]:
     """The job's result from a fresh process, the job as it finally ran, and the signal a first
-    run crashed with (None: it did not). A llama.cpp worker
-    that crashed (CRASHES) with its weights repacked (its AMX q8_0 kernel segfaulted on a Xeon with
-    AMX, llama.cpp 0.3.36's vendored source) runs once more with them as stored; a worker killed
-    otherwise (out of memory, interrupted) fails the run."""
+    run crashed with (None: it did not). A llama.cpp worker that crashed (CRASHES) with its weights
+    repacked (its AMX q8_0 kernel segfaulted on a Xeon with AMX, llama.cpp 0.3.36's vendored
+    source) runs once more with them as stored; a worker killed otherwise (out of memory,
+    interrupted) fails the run."""
     flag = "--hcw-worker" if job.engine == "hcw" else "--llama-worker"
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
     done = subprocess.run([sys.executable, __file__, flag, json.dumps(dataclasses.asdict(job))], cwd=ROOT,

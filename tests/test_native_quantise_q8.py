@@ -23,11 +23,11 @@ def _bits(scales: torch.Tensor) -> torch.Tensor:
     return scales.contiguous().view(torch.int32)  # (torch.equal takes -0.0 for +0.0)
 
 
-def _same(w: torch.Tensor, threads: int | None = None) -> None:
+def _both(w: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(the kernel's q and scales' bits, the reference's), the kernel's path checked to be taken."""
     assert native_quantise.applies(w)
-    got_q, got_s = native_quantise.quantise(w, threads)
-    want_q, want_s = quantise(w)
-    assert torch.equal(got_q, want_q) and torch.equal(_bits(got_s), _bits(want_s))
+    (got_q, got_s), (want_q, want_s) = native_quantise.quantise(w), quantise(w)
+    return (got_q, _bits(got_s)), (want_q, _bits(want_s))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +36,9 @@ def test_q_and_scales_are_the_references_to_the_bit(dtype, k):
     g = torch.Generator().manual_seed(k)
     w = (torch.randn(37, k, generator=g) * torch.logspace(-30, 30, 37)[:, None]).to(dtype)
     w[3] = 0  # a row of zeros: scale 0, q 0
-    _same(w)
+    (got_q, got_s), (want_q, want_s) = _both(w)
+    assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+    assert not got_q[3].any() and not got_s[3].any()
 
 
 def test_ties_zeros_underflowing_scales_and_strided_rows():
@@ -51,14 +53,13 @@ def test_ties_zeros_underflowing_scales_and_strided_rows():
     w[7, :32] = -0.0  # negative zeros: scale +0
     w[7, 32:40] = -0.0
     w[7, 40] = 3.0
-    _same(w)
+    for wt in (w, torch.randn(9, 100)[:, 7:70], torch.randn(5, 40).bfloat16()[:, :33]):  # (rows within wider rows)
+        (got_q, got_s), (want_q, want_s) = _both(wt)
+        assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
     q, scales = native_quantise.quantise(w)
     assert q[1, 1:5].tolist() == [0, 2, 2, 4]  # 0.5, 1.5, 2.5, 3.5 to even
     assert scales[6, 0].item() == 0.0 and not q[6].any() and w[6, 0] > 0
     assert _bits(scales[7:8, :1]).item() == 0  # +0, not -0
-    wide = torch.randn(9, 100)
-    _same(wide[:, 7:70])  # rows of 63 within rows of 100
-    _same(torch.randn(5, 40).bfloat16()[:, :33])
 
 
 def test_the_thread_count_does_not_change_the_result():

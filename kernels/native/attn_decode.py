@@ -32,10 +32,7 @@ def applies(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> boo
     """Whether this token can take the kernel: CPU, float32, one token per sequence, outside
     autograd, KV buffers [B, Hkv, capacity, D] with rows of D contiguous, kernels not forced to a
     path, the kernel built."""
-    return (proj.device.type == "cpu" and proj.dtype is torch.float32 and k_buf.dtype is torch.float32
-            and proj.dim() == 3 and proj.shape[1] == 1 and proj.stride(-1) == 1
-            and k_buf.stride(-1) == 1 and k_buf.stride(-2) == k_buf.shape[-1] and k_buf.stride() == v_buf.stride()
-            and native.enabled() and kernel() is not None)
+    return proj.dtype is torch.float32 and k_buf.dtype is torch.float32 and _takes(proj, k_buf, v_buf)
 
 
 def applies_upcast(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
@@ -43,8 +40,13 @@ def applies_upcast(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor)
     row (GatedAttention._native_step's bf16 branch: the key and value written to a float32 scratch,
     then rounded into the bf16 buffers): what `applies` asks, with proj and the buffers bf16 (the
     buffers' layout asked as there, though only the copy into them reads it)."""
-    return (proj.device.type == "cpu" and proj.dtype is torch.bfloat16 and k_buf.dtype is torch.bfloat16
-            and v_buf.dtype is torch.bfloat16 and proj.dim() == 3 and proj.shape[1] == 1 and proj.stride(-1) == 1
+    return (proj.dtype is torch.bfloat16 and k_buf.dtype is torch.bfloat16 and v_buf.dtype is torch.bfloat16
+            and _takes(proj, k_buf, v_buf))
+
+
+def _takes(proj: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+    """What both ask besides the dtypes: one token a sequence on the CPU, the layouts, the kernel."""
+    return (proj.device.type == "cpu" and proj.dim() == 3 and proj.shape[1] == 1 and proj.stride(-1) == 1
             and k_buf.stride(-1) == 1 and k_buf.stride(-2) == k_buf.shape[-1] and k_buf.stride() == v_buf.stride()
             and native.enabled() and kernel() is not None)
 
