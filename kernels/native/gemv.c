@@ -33,6 +33,12 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* The rows of the next block of four are prefetched while this one is read, each at the point the
+ * current block has reached: a row's few instructions per cache line leave the core too few loads
+ * in flight to reach the memory's bandwidth from the hardware prefetcher alone (a 248K-row head
+ * 25.0 -> 19.6 ms, 2 threads, AVX-512, bf16 x) */
+#define AHEAD 1
+
 #if defined(__AVX512F__)
 static inline __m512 widen16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -42,8 +48,11 @@ static inline __m512 widen16(__m256i h) {
 static inline __attribute__((always_inline)) void rows_f32(const uint16_t *w, const float *x, long K, int R, float *acc_out) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     long k = 0;
+    const uintptr_t ahead = (uintptr_t)w + 2 * AHEAD * R * K;  /* bytes; may pass the end: a prefetch never faults */
     for (; k + 16 <= K; k += 16) {
         const __m512 xv = _mm512_loadu_ps(x + k);
+        _mm_prefetch((const char *)(ahead + 2 * R * k), _MM_HINT_T0);
+        if (R == 4) _mm_prefetch((const char *)(ahead + 2 * R * k + 64), _MM_HINT_T0);
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_fmadd_ps(widen16(_mm256_loadu_si256((const __m256i *)(w + r * K + k))), xv, acc[r]);
     }
@@ -68,8 +77,11 @@ static inline float hsum8(__m256 v) {
 static inline __attribute__((always_inline)) void rows_f32(const uint16_t *w, const float *x, long K, int R, float *acc_out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     long k = 0;
+    const uintptr_t ahead = (uintptr_t)w + 2 * AHEAD * R * K;  /* bytes; may pass the end: a prefetch never faults */
     for (; k + 8 <= K; k += 8) {
         const __m256 xv = _mm256_loadu_ps(x + k);
+        if ((k & 31) == 0)
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(ahead + 2 * R * k + 64 * r), _MM_HINT_T0);
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(widen8(_mm_loadu_si128((const __m128i *)(w + r * K + k))), xv, acc[r]);
     }
@@ -94,8 +106,10 @@ static inline __attribute__((always_inline)) void rows_f32(const uint16_t *w, co
 static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *w, const uint16_t *x, long K, int R, float *acc_out) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     long k = 0;
+    const uintptr_t ahead = (uintptr_t)w + 2 * AHEAD * R * K;  /* bytes; may pass the end: a prefetch never faults */
     for (; k + 32 <= K; k += 32) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(ahead + 2 * R * k + 64 * r), _MM_HINT_T0);
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
     }
