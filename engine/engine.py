@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine import heap
 from engine.batch_decode import decode_batch
 from engine.cache.kv import kv_layout
 from engine.cache.prefix_cache import PrefixCache
@@ -81,6 +82,36 @@ class Generation:
     plan: ReusePlan | None = None  # the cache's plan for the prompt, when a cache is in use
     prompt_logits: torch.Tensor | None = field(default=None, repr=False)  # after the prompt's last token
     lookup: CacheLookup | None = None  # the cache's event for the prompt (plan, outcome, reasons)
+
+
+# the most tokens a prefill pass takes by default, and a GPU's chunk
+PREFILL_CHUNK = 2048
+# on the CPU the default chunk keeps one float32 copy of its widest projection's output within
+# this: the pass holds a few such copies at once (a Qwen3.5-0.8B-shaped model's GDN layer ~4 at
+# 512 tokens), on top of the weights. 16 MiB makes that model's chunk 256 tokens, prefilled as
+# fast as in 2,048-token chunks, with ~300 MiB less peak (docs/BENCHMARKS.md, "Real size")
+CPU_CHUNK_BYTES = 16 << 20
+# a CPU chunk of at least this many tokens gives its freed heap back afterwards (engine/heap.py):
+# a shorter one's working set is too small to matter, and a decode-sized pass should not pay it
+TRIM_MIN_TOKENS = 64
+
+
+def default_prefill_chunk(model: HybridModel) -> int:
+    """Tokens a prefill pass takes when nobody asked: PREFILL_CHUNK on a GPU; on the CPU the largest
+    power of two up to it (and at least 64) whose float32 output of the widest projection in the
+    layers fits CPU_CHUNK_BYTES. Remembered on the model."""
+    chunk = getattr(model, "_default_prefill_chunk", None)
+    if chunk is None:
+        chunk = PREFILL_CHUNK
+        if model.device.type == "cpu":
+            # a projection's output width is one of its weight's last two sizes (an fp32 CPU weight
+            # is held [in, out]; stacked experts lead with their count)
+            width = max((max(t.shape[-2:]) for t in [*model.layers.parameters(), *model.layers.buffers()]
+                         if t.dim() >= 2), default=1)
+            while chunk > 64 and chunk * width * 4 > CPU_CHUNK_BYTES:
+                chunk //= 2
+        model._default_prefill_chunk = chunk
+    return chunk
 
 
 class Engine:
@@ -173,6 +204,8 @@ class Engine:
             if at:
                 on_stops(state, at)
                 state.mark()  # the kept snapshots are in the cache now
+            if hi - lo >= TRIM_MIN_TOKENS and tokens.device.type == "cpu":
+                heap.trim()  # the chunk's freed working set back to the system (engine/heap.py)
             lo = hi
             yield logits[0, -1]
 
@@ -200,8 +233,11 @@ class Engine:
                 self.model(tokens[a - start:b - start], state, replay_from=a, rebuild_only=True)
 
     def _chunk(self, asked: int | None) -> int:
-        """Tokens a forward pass takes: one in deterministic mode, whatever was asked."""
-        return 1 if self.config.deterministic else asked or self.config.prefill_chunk_size
+        """Tokens a forward pass takes: one in deterministic mode, else what was asked, else the
+        config's, else the model's default on its device."""
+        if self.config.deterministic:
+            return 1
+        return asked or self.config.prefill_chunk_size or default_prefill_chunk(self.model)
 
     @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:

@@ -33,7 +33,8 @@ def generate(
     seed: int | None = typer.Option(None, "--seed"),
     dtype: str = typer.Option("fp32", "--dtype", help=DTYPE_HELP),
     device: str | None = typer.Option(None, "--device", help="cpu | cuda (default: cuda when present)"),
-    chunk_size: int = typer.Option(2048, "--chunk-size", min=1, help="prefill chunk size"),
+    chunk_size: int | None = typer.Option(None, "--chunk-size", min=1, help="prefill chunk size in tokens "
+                                          "(default: 2048 on a GPU, on the CPU fewer as the model is wider)"),
     deterministic: bool = typer.Option(False, "--deterministic", help=DETERMINISTIC_HELP),
     chat: bool = typer.Option(False, "--chat", help="the prompt is a user message: put it through the model's chat "
                               "template, so the model answers it"),
@@ -98,12 +99,11 @@ def replay(
     terminal and --json is not given."""
     import sqlite3
 
-    from workbench.options import CHAT_PREFILL_CHUNK
     from workbench.progress import bar, wanted
     from workbench.replay import ScriptError, count_steps, parse, replay_file
 
     try:
-        engine = engine_config(prefill_chunk_size=CHAT_PREFILL_CHUNK)
+        engine = engine_config()
         total = sum(count_steps(parse(f)) for f in files)  # every file is checked before anything runs
         reports = []
         with bar(total, "steps", wanted(as_json)) as counter:
@@ -238,7 +238,7 @@ def chat(
     from engine.config import ConfigError, ModelConfig
     from engine.model.loader import resolve_model
     from workbench.remote import EngineProcessError, RemoteSession
-    from workbench.options import CHAT_PREFILL_CHUNK, ChatOptions, parse_budget
+    from workbench.options import ChatOptions, parse_budget
     from workbench.session import ChatSession
 
     import sqlite3
@@ -257,7 +257,7 @@ def chat(
                               replay_budget=(budget := parse_budget(replay_budget)),
                               replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
                               sketch_every=gdn_sketches, deterministic=deterministic,
-                              engine=engine_config(dtype, prefill_chunk_size=CHAT_PREFILL_CHUNK), **given)
+                              engine=engine_config(dtype), **given)
         line_based = plain or as_json or not sys.stdin.isatty()
         if line_based:
             t0 = time.perf_counter()

@@ -13,9 +13,6 @@ from engine.cache.config import CacheConfig, Reuse
 from engine.engine_config import EngineConfig
 
 REUSE_POLICIES = tuple(Reuse)
-# a cancel (Esc) is heard between two chunks of a prefill: chunks this long cost a long prompt
-# nothing measurable against the engine's default, and shorter ones cost more (docs/BENCHMARKS.md)
-CHAT_PREFILL_CHUNK = 1024
 
 
 def parse_budget(text: str) -> float | None:
@@ -39,7 +36,7 @@ CACHE_OPTIONS = ("block_size", "checkpoint_every", "checkpoint_tail", "sketch_ev
 
 
 def _chat_engine() -> EngineConfig:
-    return EngineConfig(prefill_chunk_size=CHAT_PREFILL_CHUNK, cache=CacheConfig())
+    return EngineConfig(cache=CacheConfig())
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,8 @@ class ChatOptions:
     model: str | Path = "hcw-tiny"
     db: Path | None = None
     session: str | None = None  # a conversation id (or unique prefix) to resume
-    # dtype and device come from the loaded model; its chunks are CHAT_PREFILL_CHUNK; `engine.cache`
+    # dtype and device come from the loaded model; its prefill chunks the engine's default (a cancel is
+    # heard between two: engine.engine.default_prefill_chunk); `engine.cache`
     # is what the session builds its PrefixCache with
     engine: EngineConfig = dataclasses.field(default_factory=_chat_engine)
     max_new_tokens: int = 256

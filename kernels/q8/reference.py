@@ -25,7 +25,7 @@ GROUP = 32
 # float32 bytes of weight rows dequantised at once by `linear`: each block is one GEMM call whose
 # threads meet at its end, and on cores busy with other work each meeting can cost a scheduler
 # slice; few large blocks keep them few, for 32 MB of scratch (docs/BENCHMARKS.md, int8 weights)
-BLOCK_BYTES = 32 << 20
+BLOCK_BYTES = 8 << 20
 
 
 def groups(k: int) -> int:
@@ -55,7 +55,7 @@ def dequantise(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if g != groups(k) or scales.shape[0] != n:
         raise ValueError(f"dequantise: scales {tuple(scales.shape)} for q {tuple(q.shape)}; need ({n}, {groups(k)})")
     padded = (q if k == g * GROUP else F.pad(q, (0, g * GROUP - k))).reshape(n, g, GROUP)
-    w = (padded.float() * scales[..., None]).view(n, g * GROUP)
+    w = padded.float().mul_(scales[..., None]).view(n, g * GROUP)  # (one float32 copy, scaled in place)
     return w if k == g * GROUP else w[:, :k].contiguous()
 
 
