@@ -261,11 +261,22 @@ def prepare(folder: Path, quick: bool, llama_src: Path | None) -> tuple[dict, di
     del hf, ref
     held = weight_bytes(ModelConfig.from_folder(folder / "hf"))
     files = {("hcw", ours): (folder / "hf", held[ours]) for ours, _ in PAIRS}
+    # hcw's int8 as llama.cpp's q8_0: quantised once beforehand (`hcw quantise`), loaded as stored
+    files["hcw", "int8"] = (folder / "hf-int8", held["int8"])
     for _, theirs in PAIRS if llama_src else ():
         gguf = folder / f"model-{theirs}.gguf"
         convert(folder / "hf", llama_src, gguf, theirs)
         files["llama.cpp", theirs] = gguf, gguf.stat().st_size
     return raw, files, reference
+
+
+def quantise_once(folder: Path) -> float:
+    """Seconds `hcw quantise` (loader.save_int8) takes to write hf/'s int8 folder hf-int8/."""
+    from engine.model.loader import save_int8
+
+    t0 = time.perf_counter()
+    save_int8(folder / "hf", folder / "hf-int8")
+    return time.perf_counter() - t0
 
 
 def hash_once(folder: Path) -> float:
@@ -314,7 +325,7 @@ def _pick(result: dict, key):
     return result[key[0]][key[1]] if isinstance(key, tuple) else result[key]
 
 
-def tables(raw: dict, results: dict, hcw_only: bool, quick: bool, first_sight: float) -> str:
+def tables(raw: dict, results: dict, hcw_only: bool, quick: bool, once: dict[str, float]) -> str:
     import torch
 
     shape = (f"hidden {raw['hidden_size']}, {raw['num_hidden_layers']} layers, vocab {raw['vocab_size']:,}"
@@ -332,7 +343,9 @@ def tables(raw: dict, results: dict, hcw_only: bool, quick: bool, first_sight: f
         f"{CHECK_TOKENS}-token check prompt, the prefills and the decode; weights: hcw's as held, llama.cpp's "
         "GGUF file. Check error: max |logit - transformers'| over the reference logits' std. hcw's load "
         "is of a model seen before: the first load of a file also hashes it (the cache's layout "
-        f"fingerprint), here {first_sight:.2f} s once, then remembered by the file's stat.",
+        f"fingerprint), here {once['hash bf16']:.2f} s (bf16) and {once['hash int8']:.2f} s (int8) once, then "
+        "remembered by the file's stat. hcw's int8 loads the folder `hcw quantise` wrote beforehand "
+        f"({once['quantise']:.1f} s, once), as llama.cpp's q8_0 loads the GGUF converted beforehand.",
         "",
         "| engine | format | weights MiB | load s | check error | "
         + " | ".join(f"prefill {n} tok/s" for n in next(iter(results.values()))["lengths"])
@@ -388,7 +401,8 @@ def main() -> None:
         _llama_version()  # fails here, before the model is built, when llama_cpp is not installed
     folder = Path(tempfile.mkdtemp(prefix="hcw-real-size-"))
     raw, files, reference = prepare(folder, args.quick, None if args.hcw_only else args.llama_src)
-    first_sight = hash_once(folder / "hf")
+    once = {"quantise": quantise_once(folder)}
+    once.update({"hash bf16": hash_once(folder / "hf"), "hash int8": hash_once(folder / "hf-int8")})
     lengths = [512, 2048]
     turn = 1024 if args.quick else 4096
     steps, reps = (16, 1) if args.quick else (128, 2)
@@ -401,7 +415,7 @@ def main() -> None:
         result, ran, crash = run_worker(job)
         results[engine, fmt] = dict(dataclasses.asdict(result), weights=weights, lengths=lengths, turn=turn,
                                     repack=ran.repack, crash=crash)
-    body = tables(raw, results, args.hcw_only, args.quick, first_sight)
+    body = tables(raw, results, args.hcw_only, args.quick, once)
     print(body)
     if not args.no_write:
         write_section("real-size", "Real-size model against llama.cpp (`benchmarks/real_size.py`)", body)

@@ -6,14 +6,19 @@ on the way in so one module serves every family:
   `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` of Qwen3.5;
 - per-expert MoE weights (`experts.{e}.gate_proj.weight`, ...) become the stacked tensors.
 Every missing, unexpected or mis-shaped tensor is an error that names the tensor.
+
+`save_int8` (`hcw quantise`) writes a model's int8 weights as a folder of their own, which loads
+under `--dtype int8` without quantising again, its weights views of the file (as a GGUF q8_0 is
+read): the loader's own tensors under `hcw.` names, each int8 weight (fused, in our layout) as
+`hcw.int8.<name>.q` and `.scales`, everything else as the checkpoint held it.
 """
 
 from __future__ import annotations
 
 import contextlib
-
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,6 +36,9 @@ from kernels import q8
 from kernels.native import quantise_q8 as native_quantise
 
 LOADER_VERSION = 1  # bump when load_model turns the same files into different tensors (part of the digest)
+
+# a folder save_int8 wrote names its tensors with these (the loader's names after renaming)
+STORED, STORED_INT8 = "hcw.", "hcw.int8."
 
 # parts of multimodal / multi-token-prediction checkpoints that the language model never reads
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
@@ -79,13 +87,19 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     # layout; one used as stored stays a view of the mapping, read from the file on first use
     with contextlib.ExitStack() as files_open:
         raw, mapped = _read_safetensors(files, files_open)
-        state = _to_our_names(cfg, raw)  # (no second reference: each original is freed when replaced)
-        del raw
-        _check(model, state)
-        dropper = _Dropper(mapped)
         quantised = int8_weights(model) if int8 else {}
-        # before the fusing: a fused int8 weight is quantised from its parts, with no fused copy
-        held_int8 = _quantise(state, quantised.keys(), dict(_fused_modules(model)), device, dropper, cfg)
+        dropper = _Dropper(mapped)
+        stored = _stored(raw, folder, quantised.keys() if int8 else None)
+        if stored is None:
+            state = _to_our_names(cfg, raw)  # (no second reference: each original is freed when replaced)
+            del raw
+            _check(model, state)
+            # before the fusing: a fused int8 weight is quantised from its parts, with no fused copy
+            held_int8 = _quantise(state, quantised.keys(), dict(_fused_modules(model)), device, dropper, cfg)
+        else:  # written by save_int8: the int8 weights used as stored
+            (state, held_int8), raw = stored, None
+            _check(model, state, held_int8)
+            held_int8 = {k: (q.to(device), s.to(device)) for k, (q, s) in held_int8.items()}
         _fuse(model, state, dropper, done=held_int8.keys())
         transposed = _transposed_names(model) - quantised.keys() if torch.device(device).type == "cpu" else set()
         _final_layout(cfg, state, dtype, device, transposed, dropper)
@@ -387,16 +401,32 @@ def checkpoint_layout(model: HybridModel) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
+def _check(model: HybridModel, state: dict[str, torch.Tensor],
+           held: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    """`state` holds every tensor the model needs at its shape, nothing else; `held` (a stored int8
+    folder's, our names) the int8 weights, whole, at theirs: every mismatch a WeightsError naming
+    the tensor as its file does."""
     cfg = model.config
+    held = held or {}
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for fused, parts in _fused_modules(model):
         shape = expected.pop(fused)
-        expected.update({part: (rows, *shape[1:]) for part, rows in parts})
+        if fused in held:
+            expected[fused] = shape
+        else:
+            expected.update({part: (rows, *shape[1:]) for part, rows in parts})
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    for name, (q, scales) in held.items():
+        n, k = expected.pop(name)
+        for part, t, want in (("q", q, (torch.int8, (n, k))), ("scales", scales, (torch.float32, (n, q8.groups(k))))):
+            if (t.dtype, tuple(t.shape)) != want:
+                raise WeightsError(f"tensor {STORED_INT8}{name}.{part!s} is {t.dtype} {tuple(t.shape)}, "
+                                   f"expected {want[0]} {want[1]}")
 
     def ckpt_name(ours: str) -> str:
+        if held:
+            return STORED + ours
         return ours if ours == "lm_head.weight" else cfg.weight_prefix + ours
 
     missing = sorted(set(expected) - set(state))
@@ -410,6 +440,80 @@ def _check(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
             raise WeightsError(f"tensor {ckpt_name(name)!r} has shape {tuple(state[name].shape)}, expected {shape}")
+
+
+def _stored(raw: dict[str, torch.Tensor], folder: Path, int8_names) -> tuple[dict, dict] | None:
+    """None for a checkpoint; for a folder save_int8 wrote, (the float tensors by our names, our
+    name -> (q, scales) of every weight `int8_names` lists). Such a folder loads only as int8 (None
+    for int8_names: another dtype was asked), and holds every weight int8 that it should."""
+    ours = [k for k in raw if k.startswith(STORED)]
+    if not ours:
+        return None
+    if len(ours) != len(raw):
+        other = next(k for k in raw if not k.startswith(STORED))
+        raise WeightsError(f"{folder} mixes the int8 tensors `hcw quantise` writes with a checkpoint's ({other!r})")
+    if int8_names is None:
+        raise WeightsError(f"{folder} holds int8 weights (written by `hcw quantise`): load it with --dtype int8")
+    state, parts = {}, {}
+    for key, t in raw.items():
+        if key.startswith(STORED_INT8):
+            name, _, part = key[len(STORED_INT8):].rpartition(".")
+            if part not in ("q", "scales") or not name:
+                raise WeightsError(f"unexpected tensor {key!r}")
+            parts.setdefault(name, {})[part] = t
+        else:
+            state[key[len(STORED):]] = t
+    for name in int8_names:
+        for part in ("q", "scales"):
+            if part not in parts.get(name, {}):
+                raise WeightsError(f"missing tensor {STORED_INT8}{name}.{part!s}")
+    extra = sorted(set(parts) - set(int8_names))
+    if extra:
+        raise WeightsError(f"unexpected tensor {STORED_INT8}{extra[0]}.q (not a weight int8 holds)")
+    return state, {name: (p["q"], p["scales"]) for name, p in parts.items()}
+
+
+def save_int8(path: str | Path, out: str | Path) -> dict:
+    """Write the model at `path` (a folder or a built-in name) with its int8 weights (what
+    `--dtype int8` quantises at load) as the folder `out`, which must not exist or be empty:
+    model.safetensors in the stored layout (module docstring) beside a copy of every other file of
+    the source (config, tokenizer). Returns the bytes written and the source's."""
+    from safetensors.torch import save_file
+
+    folder, out = resolve_model(path), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise WeightsError(f"{out} already exists and is not an empty folder")
+    cfg = ModelConfig.from_folder(folder)
+    with torch.device("meta"), _no_init():
+        model = HybridModel(cfg)
+    files = _weight_files(folder)
+    with contextlib.ExitStack() as files_open:
+        raw, mapped = _read_safetensors(files, files_open)
+        if any(k.startswith(STORED) for k in raw):
+            raise WeightsError(f"{folder} already holds int8 weights (written by `hcw quantise`)")
+        source = sum(t.nbytes for t in raw.values())
+        state = _to_our_names(cfg, raw)
+        del raw
+        _check(model, state)
+        held = _quantise(state, int8_weights(model).keys(), dict(_fused_modules(model)), "cpu", _Dropper(mapped), cfg)
+        # (copies: the file's views share its mapping's storage, which safetensors will not write)
+        tensors = {STORED + k: v.clone() for k, v in state.items()}
+        for name, (q, scales) in held.items():
+            tensors[f"{STORED_INT8}{name}.q"], tensors[f"{STORED_INT8}{name}.scales"] = q, scales
+        del state, held
+        out.mkdir(parents=True, exist_ok=True)
+        partial = out / ".model.safetensors.partial"
+        try:
+            save_file(tensors, str(partial), metadata={"format": "pt", "hcw": "int8"})
+            written = sum(t.nbytes for t in tensors.values())
+            for p in sorted(folder.iterdir()):  # config, tokenizer, chat template: the model's, unchanged
+                if p.is_file() and p.suffix != ".safetensors" and p.name != "model.safetensors.index.json":
+                    shutil.copy2(p, out / p.name)
+            partial.replace(out / "model.safetensors")  # last: a folder without it is not a model
+        except BaseException:  # a full disk, an interrupt: no half-written file left behind
+            partial.unlink(missing_ok=True)
+            raise
+    return {"folder": str(out), "bytes": written, "source_bytes": source}
 
 
 def save_model(model: HybridModel, raw_config: dict, folder: str | Path) -> Path:
