@@ -155,3 +155,15 @@ def test_show_reports_the_weights_bytes(model_dir, ran_model):
     from workbench.catalog import describe
 
     assert describe(model_dir)["weight_bytes"][weights_format(ran_model)] == _weight_bytes(ran_model)
+
+
+def test_the_attention_layers_share_one_rope_table():
+    from engine.engine import Engine
+    from engine.model.rope import Rotary
+
+    model = load_model("hcw-tiny-qwen3.5", device="cpu")
+    rotaries = [mod.rotary for mod in model.modules() if isinstance(getattr(mod, "rotary", None), Rotary)]
+    assert len(rotaries) >= 2 and all(r is rotaries[0] for r in rotaries)
+    engine = Engine(model)
+    engine.prefill([i % model.config.vocab_size for i in range(300)], engine.new_state())
+    assert len(rotaries[0]._tables) == 1  # one (head dim, dtype, device): one cos/sin pair for every layer

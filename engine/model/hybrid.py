@@ -27,6 +27,7 @@ from engine.model.gdn import GatedDeltaNet
 from engine.model.hyper import HyperConnection, HyperHead
 from engine.model.mlp import MLP, SparseMoE, V4MoE
 from engine.model.norm import RMSNorm
+from engine.model.rope import Rotary
 from engine.model.rows import Rows
 from engine.model.v4_attention import V4Attention
 
@@ -113,6 +114,14 @@ class HybridModel(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # one RoPE table for the model's attention layers of one (rotary_dim, theta): each layer's
+        # own held a copy, [positions, head_dim] cos and sin in float32 (24 MiB for a 2K context
+        # at Qwen3.5-0.8B's shape, 384 MiB at 32K, six copies of the same numbers)
+        shared: dict[tuple, Rotary] = {}
+        for mod in self.modules():
+            rotary = getattr(mod, "rotary", None)
+            if type(rotary) is Rotary:
+                mod.rotary = shared.setdefault((rotary.rotary_dim, rotary.theta), rotary)
 
     def _apply(self, fn, recurse: bool = True):
         """`.to()`, `.cuda()`, ...: a tied int8 table moves once. Buffers are replaced module by
