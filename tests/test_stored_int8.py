@@ -145,3 +145,14 @@ def test_an_interrupted_write_leaves_no_partial_file(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         save_int8("hcw-tiny", tmp_path / "q")
     assert list((tmp_path / "q").iterdir()) == []
+
+
+def test_hcw_show_says_a_stored_folder_loads_as_int8_only(tmp_path):
+    save_int8("hcw-tiny", tmp_path / "q")
+    runner = CliRunner()
+    shown = json.loads(runner.invoke(app, ["show", str(tmp_path / "q"), "--json"]).stdout)
+    source = json.loads(runner.invoke(app, ["show", "hcw-tiny", "--json"]).stdout)
+    assert shown["stored"] == "int8" and source["stored"] is None
+    assert shown["weight_bytes"] == {"int8": source["weight_bytes"]["int8"]}
+    text = runner.invoke(app, ["show", str(tmp_path / "q")]).stdout
+    assert "stored int8 by hcw quantise: load with --dtype int8" in text

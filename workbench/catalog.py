@@ -29,7 +29,7 @@ import torch
 from engine.cache.config import CacheConfig
 from engine.cache.states import COMPRESSOR_KINDS, Kind
 from engine.config import ModelConfig, compute_dtype
-from engine.model.loader import BUILTIN_MODELS, resolve_model
+from engine.model.loader import BUILTIN_MODELS, resolve_model, stored_format
 from engine.tokenizer import HFTokenizer, load_tokenizer
 
 SHORT = {"linear_attention": "gdn", "full_attention": "full", "sliding_attention": "sliding",
@@ -120,6 +120,8 @@ def describe(name: str | Path) -> dict:
     cfg = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, cfg.extra)
     kinds = collections.Counter(cfg.layer_types)
+    stored = stored_format(folder)  # a folder `hcw quantise` wrote loads as int8 only
+    held = weight_bytes(cfg)
     return {
         "name": str(name) if str(name) in BUILTIN_MODELS and not Path(name).is_dir() else folder.name,
         "path": str(folder),
@@ -128,7 +130,8 @@ def describe(name: str | Path) -> dict:
         "layer_kinds": {k: kinds[k] for k in SHORT if k in kinds},
         "layer_types": list(cfg.layer_types),
         "parameters": parameters(cfg),
-        "weight_bytes": weight_bytes(cfg),
+        "weight_bytes": {stored: held[stored]} if stored else held,
+        "stored": stored,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "context": cfg.max_position_embeddings,
@@ -191,7 +194,8 @@ def details(m: dict) -> str:
         f"{m['name']}  ({m['path']})",
         f"  model_type   {m['model_type']}",
         f"  parameters   {count(m['parameters'])} ({m['parameters']:,})",
-        f"  weights      {'   '.join(f'{size(n)} in {dt}' for dt, n in m['weight_bytes'].items())} (held once)",
+        f"  weights      {'   '.join(f'{size(n)} in {dt}' for dt, n in m['weight_bytes'].items())} (held once)"
+        + (f", stored {m['stored']} by hcw quantise: load with --dtype {m['stored']}" if m.get("stored") else ""),
         f"  layers       {m['layers']}: {kinds_line(m)}",
         f"  order        {' '.join(SHORT[k] for k in m['layer_types'])}",
         f"  hidden       {m['hidden_size']}   vocab {m['vocab_size']}   context {m['context']}"

@@ -473,6 +473,19 @@ def _stored(raw: dict[str, torch.Tensor], folder: Path, int8_names) -> tuple[dic
     return state, {name: (p["q"], p["scales"]) for name, p in parts.items()}
 
 
+def stored_format(folder: Path) -> str | None:
+    """"int8" for a folder save_int8 wrote, else None (a checkpoint, or weights that cannot be
+    read: the load says why). Reads the files' headers only."""
+    try:
+        for shard in _weight_files(folder):
+            with safe_open(str(shard), framework="pt") as f:
+                if any(key.startswith(STORED_INT8) for key in f.keys()):
+                    return "int8"
+    except (WeightsError, SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+    return None
+
+
 def save_int8(path: str | Path, out: str | Path) -> dict:
     """Write the model at `path` (a folder or a built-in name) with its int8 weights (what
     `--dtype int8` quantises at load) as the folder `out`, which must not exist or be empty:
