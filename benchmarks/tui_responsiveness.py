@@ -36,6 +36,7 @@ from benchmarks.report import parse_args, write_section  # noqa: E402
 from engine.threads import threads_beside_ui  # noqa: E402
 from workbench.remote import RemoteSession  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
+from workbench.options import CHAT_PREFILL_CHUNK  # noqa: E402
 from workbench.session import ChatOptions, ChatSession  # noqa: E402
 from workbench.tui.app import ChatApp  # noqa: E402
 
@@ -45,7 +46,7 @@ SHIPPED_CAP_S = 20.0  # a loaded machine slows a two-thread decode to a crawl: i
 
 
 # the chat's engine settings, with the HCW_* variables main() maps (the C kernels off: HCW_NATIVE=0)
-ENGINE = EngineConfig()
+ENGINE = EngineConfig(prefill_chunk_most=CHAT_PREFILL_CHUNK)
 
 
 def _options(db: Path, tokens: int) -> ChatOptions:
@@ -167,7 +168,7 @@ def _spread(values: list[float]) -> str:
 def main() -> None:
     global ENGINE
     args = parse_args()
-    ENGINE = args.engine
+    ENGINE = dataclasses.replace(args.engine, prefill_chunk_most=CHAT_PREFILL_CHUNK)
     folder = Path(tempfile.mkdtemp(prefix="hcw-tui-"))
     try:
         tokens, rounds, keys = (300, 4, 5) if args.quick else (600, 7, 20)

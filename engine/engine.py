@@ -99,18 +99,21 @@ TRIM_MIN_TOKENS = 64
 def default_prefill_chunk(model: HybridModel) -> int:
     """Tokens a prefill pass takes when nobody asked: PREFILL_CHUNK on a GPU; on the CPU the largest
     power of two up to it (and at least 64) whose float32 output of the widest projection in the
-    layers fits CPU_CHUNK_BYTES. Remembered on the model."""
-    chunk = getattr(model, "_default_prefill_chunk", None)
-    if chunk is None:
-        chunk = PREFILL_CHUNK
-        if model.device.type == "cpu":
-            # a projection's output width is one of its weight's last two sizes (an fp32 CPU weight
-            # is held [in, out]; stacked experts lead with their count)
-            width = max((max(t.shape[-2:]) for t in [*model.layers.parameters(), *model.layers.buffers()]
-                         if t.dim() >= 2), default=1)
-            while chunk > 64 and chunk * width * 4 > CPU_CHUNK_BYTES:
-                chunk //= 2
-        model._default_prefill_chunk = chunk
+    layers fits CPU_CHUNK_BYTES. Remembered on the model for its device."""
+    device = model.device
+    held = getattr(model, "_default_prefill_chunk", None)
+    if held is not None and held[0] == device:
+        return held[1]
+    chunk = PREFILL_CHUNK
+    if device.type == "cpu":
+        # a projection's output width is one of its weight's last two sizes (an fp32 CPU weight is
+        # held [in, out]; stacked experts lead with their count); weights are float or int8 (an
+        # integer table, e.g. DeepSeek-V4's hash router's [vocab, top-k], is no projection)
+        width = max((max(t.shape[-2:]) for t in [*model.layers.parameters(), *model.layers.buffers()]
+                     if t.dim() >= 2 and (t.is_floating_point() or t.dtype is torch.int8)), default=1)
+        while chunk > 64 and chunk * width * 4 > CPU_CHUNK_BYTES:
+            chunk //= 2
+    model._default_prefill_chunk = (device, chunk)
     return chunk
 
 
@@ -234,10 +237,12 @@ class Engine:
 
     def _chunk(self, asked: int | None) -> int:
         """Tokens a forward pass takes: one in deterministic mode, else what was asked, else the
-        config's, else the model's default on its device."""
+        config's, else the model's default on its device (at most the config's prefill_chunk_most)."""
         if self.config.deterministic:
             return 1
-        return asked or self.config.prefill_chunk_size or default_prefill_chunk(self.model)
+        if asked or self.config.prefill_chunk_size:
+            return asked or self.config.prefill_chunk_size
+        return min(default_prefill_chunk(self.model), self.config.prefill_chunk_most or PREFILL_CHUNK)
 
     @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:

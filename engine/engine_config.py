@@ -30,6 +30,9 @@ class EngineConfig:
     # tokens a prefill pass takes; None: the engine's own (engine.engine.default_prefill_chunk: 2048
     # on a GPU, fewer on the CPU where a chunk's working set would grow the resident memory)
     prefill_chunk_size: int | None = None
+    # with the default chunk, at most this many tokens a pass (an interactive caller's bound on how
+    # long a cancel, heard between two passes, can wait); None: no bound
+    prefill_chunk_most: int | None = None
     # bit-exact: prefill and Tail-Replay take one token a step, the path decode takes, so no row's
     # arithmetic depends on how a prompt was chunked or where a cache hit ended (docs/ARCHITECTURE.md,
     # "What exact means"); prefill then runs at decode's speed
@@ -50,8 +53,9 @@ class EngineConfig:
     # (None above: leave what the process or the model has, e.g. an engine a command makes beside its main one)
 
     def __post_init__(self) -> None:
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            raise ConfigError("prefill_chunk_size must be >= 1")
+        for name in ("prefill_chunk_size", "prefill_chunk_most"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
         for name, choices in (("kv_layout", KV_LAYOUTS), ("kernels", KERNEL_CHOICES), ("native", NATIVE_CHOICES)):
             if getattr(self, name) not in (None, *choices):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; one of {', '.join(choices)}")

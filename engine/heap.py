@@ -1,27 +1,33 @@
-"""Freed heap memory handed back to the system between prefill chunks on the CPU.
+"""Freed heap memory handed back to the system: glibc's malloc_trim(0), the heap's free pages
+given back (a later allocation faults them in again); where the C library has none (not glibc,
+musl) nothing.
 
-A prefill chunk allocates and frees tensors of many sizes; glibc's allocator keeps the freed
-memory in its heap for the next request, so after a few chunks of a real-size model the process
-holds ~150 MiB it is not using, and the peak of a long prompt is that plus the next chunk's
-working set (benchmarks/real_size.py: 1,941 against 1,885 MiB for 2,048 tokens in 512-token
-chunks, at the same speed). `trim` is glibc's malloc_trim(0) (the heap's free pages given back;
-a later allocation faults them in again); where the C library has none (not glibc) it does
-nothing.
+glibc keeps freed memory in its heap for the next request. A freed block of a few MB also raises
+its threshold for serving blocks from mmap, so later blocks of that size come from the heap too,
+between blocks that stay. Two places hand it back:
+
+- the loader, between blocks of weights it builds: its block-sized temporaries stayed resident
+  after being freed (~110 MiB over 213 MiB of int8 weights, measured);
+- the engine, after a CPU prefill chunk: after a few chunks of a real-size model the process held
+  ~150 MiB it was not using, and a long prompt's peak was that plus the next chunk's working set
+  (benchmarks/real_size.py's model: 1,941 against 1,885 MiB for 2,048 tokens in 512-token
+  chunks, at the same speed).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+import sys
 
 
 @functools.cache
 def _malloc_trim():
+    if sys.platform != "linux":
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):  # no C library by that name, or not glibc
+        fn = ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # a C library without it (musl)
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn

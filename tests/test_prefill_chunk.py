@@ -5,6 +5,7 @@ a CPU chunk's freed heap handed back to the system after it (engine/heap.py)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def _chunks(engine: Engine, n: int, **asked) -> list[int]:
 
     engine.model.forward = spy
     try:
-        engine.prefill(list(range(n)), engine.new_state(), **asked)
+        engine.prefill([i % engine.model.config.vocab_size for i in range(n)], engine.new_state(), **asked)
     finally:
         del engine.model.forward
     return seen
@@ -108,3 +109,30 @@ def test_trim_returns_the_free_heap_below_a_live_block():
         assert held - _anon_kib() >= 48 << 10  # most of the 64 MiB went back
     finally:
         libc.free(sentinel)
+
+
+def test_an_integer_table_in_the_layers_does_not_shrink_the_chunk():
+    # DeepSeek-V4's hash router holds a [vocab, top-k] int64 table: no projection's output
+    model = load_model("hcw-tiny", device="cpu")
+    model.layers[0].register_buffer("tid2eid_like", torch.zeros(200_000, 6, dtype=torch.long), persistent=False)
+    assert default_prefill_chunk(model) == PREFILL_CHUNK
+
+
+def test_the_default_is_remembered_per_device(wide_model):
+    chunk = default_prefill_chunk(wide_model)
+    wide_model._default_prefill_chunk = (torch.device("meta"), 7)  # remembered for another device
+    assert default_prefill_chunk(wide_model) == chunk
+
+
+def test_a_chat_bounds_the_default_chunk_not_an_asked_one(wide_model):
+    from workbench.options import CHAT_PREFILL_CHUNK, ChatOptions
+
+    chat = ChatOptions().engine
+    assert chat.prefill_chunk_most == CHAT_PREFILL_CHUNK and chat.prefill_chunk_size is None
+    tiny = load_model("hcw-tiny", device="cpu")
+    assert _chunks(Engine(tiny, dataclasses.replace(chat, cache=None)), 2500) == [1024, 1024, 452]
+    # a narrower default stays itself; an asked chunk is taken as asked
+    chunk = default_prefill_chunk(wide_model)
+    assert chunk < CHAT_PREFILL_CHUNK
+    assert _chunks(Engine(wide_model, dataclasses.replace(chat, cache=None)), chunk + 3) == [chunk, 3]
+    assert _chunks(Engine(tiny, dataclasses.replace(chat, cache=None, prefill_chunk_size=2048)), 2500) == [2048, 452]

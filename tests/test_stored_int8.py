@@ -72,7 +72,7 @@ def _damaged(tmp_path, change) -> str:
     save_int8("hcw-tiny", folder)
     tensors = load_file(str(folder / "model.safetensors"))
     change(tensors)
-    save_file(tensors, str(folder / "model.safetensors"))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt", "hcw": loader.STORED_LAYOUT})
     with pytest.raises(WeightsError) as e:
         load_model(folder, dtype="int8", device="cpu")
     return str(e.value)
@@ -102,9 +102,20 @@ def test_a_damaged_stored_folder_names_the_tensor(tmp_path):
 
     save_int8("hcw-tiny", tmp_path / "names")
     name = _first_int8(load_file(str(tmp_path / "names" / "model.safetensors")))
-    for change, expected in ((reshape, f"tensor {name} is torch.int8"), (drop, f"missing tensor {name[:-2]}.scales"),
-                             (extra, "unexpected tensor hcw.int8.layers.0.nothing.weight.q"),
-                             (mixed, "mixes the int8 tensors"), (widen, f"tensor {name} is torch.float32")):
+    def poison(t):
+        k = _first_int8(t)[:-2] + ".scales"
+        t[k] = t[k].clone()
+        t[k][0, 0] = float("nan")
+
+    def integer(t):
+        k = next(k for k in sorted(t) if k.startswith(STORED) and not k.startswith(STORED_INT8) and t[k].dim() == 1)
+        t[k] = t[k].long()
+
+    for change, expected in ((reshape, f"tensor {name!r} is torch.int8"), (drop, f"missing tensor {name[:-2] + '.scales'!r}"),
+                             (extra, "unexpected tensor 'hcw.int8.layers.0.nothing.weight.q'"),
+                             (mixed, "mixes the int8 tensors"), (widen, f"tensor {name!r} is torch.float32"),
+                             (poison, f"tensor {name[:-2] + '.scales'!r} holds a value that is not finite"),
+                             (integer, "is torch.int64, expected a float dtype")):
         folder = tmp_path / change.__name__
         folder.mkdir()
         assert expected in _damaged(folder, change)
@@ -116,7 +127,7 @@ def test_a_float_tensor_missing_from_a_stored_folder_is_named(tmp_path):
     tensors = load_file(str(folder / "model.safetensors"))
     name = next(k for k in sorted(tensors) if k.startswith(STORED) and not k.startswith(STORED_INT8))
     del tensors[name]
-    save_file(tensors, str(folder / "model.safetensors"))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt", "hcw": loader.STORED_LAYOUT})
     with pytest.raises(WeightsError, match=f"missing tensor '{name}'"):
         load_model(folder, dtype="int8", device="cpu")
 
@@ -137,14 +148,31 @@ def test_hcw_quantise_writes_refuses_and_reports(tmp_path):
     assert ran.exit_code == 2 and "load it with --dtype int8" in ran.stderr
 
 
-def test_an_interrupted_write_leaves_no_partial_file(tmp_path, monkeypatch):
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+@pytest.mark.parametrize("made", [True, False])
+def test_an_interrupted_write_leaves_nothing_behind(tmp_path, monkeypatch, made):
+    copy2, copied = loader.shutil.copy2, []
+
+    def full_disk(src, dst):  # the second file fails: the first is already there
+        if copied:
+            raise OSError(28, "No space left on device")
+        copied.append(copy2(src, dst))
 
     monkeypatch.setattr(loader.shutil, "copy2", full_disk)
+    if not made:
+        (tmp_path / "q").mkdir()  # an empty folder given: it stays, empty
     with pytest.raises(OSError):
         save_int8("hcw-tiny", tmp_path / "q")
-    assert list((tmp_path / "q").iterdir()) == []
+    assert copied  # the failure came after a file was written
+    assert (not (tmp_path / "q").exists()) if made else list((tmp_path / "q").iterdir()) == []
+
+
+def test_a_stored_folder_of_another_layout_is_refused(tmp_path):
+    folder = tmp_path / "q"
+    save_int8("hcw-tiny", folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt", "hcw": "int8/0"})
+    with pytest.raises(WeightsError, match="layout 'int8/0', not 'int8/1'.*hcw quantise"):
+        load_model(folder, dtype="int8", device="cpu")
 
 
 def test_hcw_show_says_a_stored_folder_loads_as_int8_only(tmp_path):

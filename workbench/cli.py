@@ -99,11 +99,12 @@ def replay(
     terminal and --json is not given."""
     import sqlite3
 
+    from workbench.options import CHAT_PREFILL_CHUNK
     from workbench.progress import bar, wanted
     from workbench.replay import ScriptError, count_steps, parse, replay_file
 
     try:
-        engine = engine_config()
+        engine = engine_config(prefill_chunk_most=CHAT_PREFILL_CHUNK)
         total = sum(count_steps(parse(f)) for f in files)  # every file is checked before anything runs
         reports = []
         with bar(total, "steps", wanted(as_json)) as counter:
@@ -238,7 +239,7 @@ def chat(
     from engine.config import ConfigError, ModelConfig
     from engine.model.loader import resolve_model
     from workbench.remote import EngineProcessError, RemoteSession
-    from workbench.options import ChatOptions, parse_budget
+    from workbench.options import CHAT_PREFILL_CHUNK, ChatOptions, parse_budget
     from workbench.session import ChatSession
 
     import sqlite3
@@ -257,7 +258,7 @@ def chat(
                               replay_budget=(budget := parse_budget(replay_budget)),
                               replay_tolerance=replay_tolerance if replay_tolerance or budget else 1e-3,
                               sketch_every=gdn_sketches, deterministic=deterministic,
-                              engine=engine_config(dtype), **given)
+                              engine=engine_config(dtype, prefill_chunk_most=CHAT_PREFILL_CHUNK), **given)
         line_based = plain or as_json or not sys.stdin.isatty()
         if line_based:
             t0 = time.perf_counter()

@@ -162,8 +162,8 @@ def quantise(
         summary = save_int8(model, out)
     except ValueError as e:  # ConfigError, WeightsError: no such model, damaged weights, out not empty
         fail(str(e))
-    except OSError as e:
-        fail(f"cannot write {out}: {e.strerror or e}", code=1)
+    except OSError as e:  # reading the source or writing out: the file says which
+        fail(f"quantise stopped: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), code=1)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     mib = 1 << 20
     typer.echo(json.dumps(summary) if as_json else

@@ -34,13 +34,13 @@ def serve(
     usage.prompt_tokens_details.cached_tokens, llama.cpp's timings and an `hcw` object (outcome,
     usable vs logical tokens, the plan per state kind, exact or approximate, reasons). Concurrent
     requests are decoded together. Binds 127.0.0.1 unless told otherwise."""
-    from workbench.options import ChatOptions
+    from workbench.options import CHAT_PREFILL_CHUNK, ChatOptions
     from workbench.serve.run import check_exposure, serve as run
     from workbench.serve.served import ServeOptions
 
     try:
         check_exposure(host, api_key, insecure_no_auth)
-        chat = ChatOptions.of(model=model, db=db, reuse=reuse, engine=engine_config(dtype))
+        chat = ChatOptions.of(model=model, db=db, reuse=reuse, engine=engine_config(dtype, prefill_chunk_most=CHAT_PREFILL_CHUNK))
         opts = ServeOptions(chat, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens, api_key=api_key)
     except ValueError as e:
         fail(str(e))

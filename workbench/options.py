@@ -13,6 +13,11 @@ from engine.cache.config import CacheConfig, Reuse
 from engine.engine_config import EngineConfig
 
 REUSE_POLICIES = tuple(Reuse)
+# a cancel (Esc) is heard between two chunks of a prefill, so a chat's chunks are at most this
+# long (the engine's default may be shorter: on the CPU it shrinks with the model's width). At
+# this length a long prompt costs nothing measurable against 2,048, and a cancel waits half as
+# long (hcw-tiny at 2K context: 135 against 318 ms a chunk; docs/BENCHMARKS.md)
+CHAT_PREFILL_CHUNK = 1024
 
 
 def parse_budget(text: str) -> float | None:
@@ -36,7 +41,7 @@ CACHE_OPTIONS = ("block_size", "checkpoint_every", "checkpoint_tail", "sketch_ev
 
 
 def _chat_engine() -> EngineConfig:
-    return EngineConfig(cache=CacheConfig())
+    return EngineConfig(prefill_chunk_most=CHAT_PREFILL_CHUNK, cache=CacheConfig())
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,8 @@ class ChatOptions:
     model: str | Path = "hcw-tiny"
     db: Path | None = None
     session: str | None = None  # a conversation id (or unique prefix) to resume
-    # dtype and device come from the loaded model; its prefill chunks the engine's default (a cancel is
-    # heard between two: engine.engine.default_prefill_chunk); `engine.cache`
+    # dtype and device come from the loaded model; its prefill chunks the engine's default, at most
+    # CHAT_PREFILL_CHUNK; `engine.cache`
     # is what the session builds its PrefixCache with
     engine: EngineConfig = dataclasses.field(default_factory=_chat_engine)
     max_new_tokens: int = 256

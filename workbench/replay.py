@@ -31,7 +31,7 @@ from pathlib import Path
 from workbench.progress import Steps
 from engine.engine_config import EngineConfig
 from kernels import dispatch
-from workbench.options import ChatOptions, parse_budget
+from workbench.options import CHAT_PREFILL_CHUNK, ChatOptions, parse_budget
 from workbench.session import ChatSession
 from workbench.turns import TurnResult
 
@@ -238,7 +238,7 @@ def _child(argv: list[str]) -> None:
     """The process after a restart: resume the conversation, run the rest, print one JSON line."""
     path, db, model, conversation, thread, start = argv
     steps = parse(Path(path))
-    engine = EngineConfig.from_env(os.environ)
+    engine = EngineConfig.from_env(os.environ, prefill_chunk_most=CHAT_PREFILL_CHUNK)
     dispatch.select(engine.kernels, engine.native)
     session = ChatSession(options(steps, Path(db), model or None, conversation, engine=engine))
     session.switch(thread)

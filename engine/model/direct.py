@@ -195,8 +195,9 @@ BF16_GEMM = _bf16_gemm()
 # [M, 1024] x [7168, 1024] in bf16 on 2 threads of the AVX2 EPYC: the bf16 GEMM 3.1 / 6.4 / 12.3 /
 # 24.8 ms at M = 4 / 8 / 16 / 32, fp32 blocks 5.0 / 5.0 / 5.4 / 6.9 ms: the blocks win from ~7 rows
 UPCAST_MIN_ROWS = 8
-# float32 bytes of bf16 weight rows made float32 at once by `_upcast_linear` (q8.linear's block)
-UPCAST_BLOCK_BYTES = q8_reference.BLOCK_BYTES
+# float32 bytes of bf16 weight rows made float32 at once by `_upcast_linear` (measured at 32 MiB on
+# the AVX2 EPYC it is for; q8.linear's block is smaller since, measured on its own path)
+UPCAST_BLOCK_BYTES = 32 << 20
 
 
 def _upcast_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -53,20 +53,6 @@ def drop_resident(ranges: list[tuple[int, int]]) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim). A freed block of a
-    few MB raises glibc's threshold for serving blocks from mmap, so the loader's later block-sized
-    temporaries come from the heap, between weights that stay, and their pages stayed resident after
-    being freed: ~110 MiB over 213 MiB of int8 weights, measured. Elsewhere than glibc: nothing."""
-    if sys.platform != "linux":
-        return
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except AttributeError:  # a C library without it (musl)
-        return
-    trim(ctypes.c_size_t(0))
-
-
 def _same_device(field: str, dev: int) -> bool:
     major, minor = (int(x, 16) for x in field.split(":"))
     return os.major(dev) == major and os.minor(dev) == minor

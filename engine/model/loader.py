@@ -27,7 +27,8 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ConfigError, ModelConfig, compute_dtype, parse_dtype
-from engine.model.file_pages import drop_resident, file_ranges, trim_heap
+from engine.heap import trim as trim_heap
+from engine.model.file_pages import drop_resident, file_ranges
 from engine.model.fused import FusedLinear
 from engine.model.hybrid import HybridModel
 from engine.model.int8 import int8_weights
@@ -37,8 +38,10 @@ from kernels.native import quantise_q8 as native_quantise
 
 LOADER_VERSION = 1  # bump when load_model turns the same files into different tensors (part of the digest)
 
-# a folder save_int8 wrote names its tensors with these (the loader's names after renaming)
+# a folder save_int8 wrote names its tensors with these (the loader's names after renaming), and
+# says in its files' metadata which layout of them it holds (bump when that layout changes)
 STORED, STORED_INT8 = "hcw.", "hcw.int8."
+STORED_LAYOUT = "int8/1"
 
 # parts of multimodal / multi-token-prediction checkpoints that the language model never reads
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
@@ -98,6 +101,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
             held_int8 = _quantise(state, quantised.keys(), dict(_fused_modules(model)), device, dropper, cfg)
         else:  # written by save_int8: the int8 weights used as stored
             (state, held_int8), raw = stored, None
+            _stored_layout(files)
             _check(model, state, held_int8)
             held_int8 = {k: (q.to(device), s.to(device)) for k, (q, s) in held_int8.items()}
         _fuse(model, state, dropper, done=held_int8.keys())
@@ -417,12 +421,15 @@ def _check(model: HybridModel, state: dict[str, torch.Tensor],
             expected.update({part: (rows, *shape[1:]) for part, rows in parts})
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    floating = {k: v.is_floating_point() for k, v in model.state_dict().items()}
     for name, (q, scales) in held.items():
         n, k = expected.pop(name)
         for part, t, want in (("q", q, (torch.int8, (n, k))), ("scales", scales, (torch.float32, (n, q8.groups(k))))):
             if (t.dtype, tuple(t.shape)) != want:
-                raise WeightsError(f"tensor {STORED_INT8}{name}.{part!s} is {t.dtype} {tuple(t.shape)}, "
+                raise WeightsError(f"tensor {f'{STORED_INT8}{name}.{part}'!r} is {t.dtype} {tuple(t.shape)}, "
                                    f"expected {want[0]} {want[1]}")
+        if not torch.isfinite(scales).all():  # q8.quantise never makes one: the file is damaged
+            raise WeightsError(f"tensor {f'{STORED_INT8}{name}.scales'!r} holds a value that is not finite")
 
     def ckpt_name(ours: str) -> str:
         if held:
@@ -440,6 +447,23 @@ def _check(model: HybridModel, state: dict[str, torch.Tensor],
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
             raise WeightsError(f"tensor {ckpt_name(name)!r} has shape {tuple(state[name].shape)}, expected {shape}")
+        if state[name].is_floating_point() != floating.get(name, True):
+            raise WeightsError(f"tensor {ckpt_name(name)!r} is {state[name].dtype}, expected "
+                               f"{'a float' if floating.get(name, True) else 'an integer'} dtype")
+
+
+def _stored_layout(files: list[Path]) -> None:
+    """A stored folder's files say they hold STORED_LAYOUT (another hcw's `quantise` may have
+    written another layout under the same names): a WeightsError saying so otherwise."""
+    for shard in files:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                layout = (f.metadata() or {}).get("hcw")
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise WeightsError(f"{shard} cannot be read as safetensors: {e}") from None
+        if layout != STORED_LAYOUT:
+            raise WeightsError(f"{shard} holds int8 weights in layout {layout!r}, not {STORED_LAYOUT!r} "
+                               "(written by another hcw version): run `hcw quantise` on the model again")
 
 
 def _stored(raw: dict[str, torch.Tensor], folder: Path, int8_names) -> tuple[dict, dict] | None:
@@ -466,10 +490,10 @@ def _stored(raw: dict[str, torch.Tensor], folder: Path, int8_names) -> tuple[dic
     for name in int8_names:
         for part in ("q", "scales"):
             if part not in parts.get(name, {}):
-                raise WeightsError(f"missing tensor {STORED_INT8}{name}.{part!s}")
+                raise WeightsError(f"missing tensor {f'{STORED_INT8}{name}.{part}'!r}")
     extra = sorted(set(parts) - set(int8_names))
     if extra:
-        raise WeightsError(f"unexpected tensor {STORED_INT8}{extra[0]}.q (not a weight int8 holds)")
+        raise WeightsError(f"unexpected tensor {f'{STORED_INT8}{extra[0]}.q'!r} (not a weight int8 holds)")
     return state, {name: (p["q"], p["scales"]) for name, p in parts.items()}
 
 
@@ -479,7 +503,7 @@ def stored_format(folder: Path) -> str | None:
     try:
         for shard in _weight_files(folder):
             with safe_open(str(shard), framework="pt") as f:
-                if any(key.startswith(STORED_INT8) for key in f.keys()):
+                if any(key.startswith(STORED) for key in f.keys()):
                     return "int8"
     except (WeightsError, SafetensorError, OSError, ValueError, RuntimeError):
         return None
@@ -514,17 +538,21 @@ def save_int8(path: str | Path, out: str | Path) -> dict:
         for name, (q, scales) in held.items():
             tensors[f"{STORED_INT8}{name}.q"], tensors[f"{STORED_INT8}{name}.scales"] = q, scales
         del state, held
+        made = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
         partial = out / ".model.safetensors.partial"
         try:
-            save_file(tensors, str(partial), metadata={"format": "pt", "hcw": "int8"})
+            save_file(tensors, str(partial), metadata={"format": "pt", "hcw": STORED_LAYOUT})
             written = sum(t.nbytes for t in tensors.values())
             for p in sorted(folder.iterdir()):  # config, tokenizer, chat template: the model's, unchanged
                 if p.is_file() and p.suffix != ".safetensors" and p.name != "model.safetensors.index.json":
                     shutil.copy2(p, out / p.name)
             partial.replace(out / "model.safetensors")  # last: a folder without it is not a model
-        except BaseException:  # a full disk, an interrupt: no half-written file left behind
-            partial.unlink(missing_ok=True)
+        except BaseException:  # a full disk, an interrupt: nothing this call wrote is left behind
+            for p in out.iterdir():  # (out was empty or new)
+                p.unlink()
+            if made:
+                out.rmdir()
             raise
     return {"folder": str(out), "bytes": written, "source_bytes": source}
 

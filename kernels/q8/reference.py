@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 GROUP = 32
 # float32 bytes of weight rows dequantised at once by `linear`: each block is one GEMM call whose
-# threads meet at its end, and on cores busy with other work each meeting can cost a scheduler
-# slice; few large blocks keep them few, for 32 MB of scratch (docs/BENCHMARKS.md, int8 weights)
+# threads meet at its end (on cores busy with other work each meeting can cost a scheduler slice:
+# fewer, larger blocks), and its scratch sits on a prefill's peak. At real size 8 MiB blocks ran
+# as fast as 32 and 2 with 56 MiB less peak (docs/BENCHMARKS.md, "Real size")
 BLOCK_BYTES = 8 << 20
 
 
