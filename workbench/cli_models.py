@@ -151,8 +151,8 @@ def quantise(
 ) -> None:
     """Write MODEL with int8 weights (a float32 scale per row and group of 32, llama.cpp's q8_0
     idea) as a new folder that loads with --dtype int8 without quantising again: its weights are
-    read from the file as they are (a real-size model loads ~15x faster). The quantisation is
-    --dtype int8's at load, so the two load the same weights."""
+    read from the file as they are (at Qwen3.5-0.8B's shape 0.1-0.4 s against 1.3-1.6 s). The
+    quantisation is --dtype int8's at load, so the two load the same weights."""
     import time
 
     from engine.model.loader import save_int8
