@@ -184,3 +184,23 @@ def test_hcw_show_says_a_stored_folder_loads_as_int8_only(tmp_path):
     assert shown["weight_bytes"] == {"int8": source["weight_bytes"]["int8"]}
     text = runner.invoke(app, ["show", str(tmp_path / "q")]).stdout
     assert "stored int8 by hcw quantise: load with --dtype int8" in text
+
+
+def test_save_int8_reports_each_weight_then_the_write(tmp_path):
+    heard = []
+
+    class Steps:
+        def total(self, n):
+            heard.append(("total", n))
+
+        def doing(self, label):
+            heard.append(("doing", label.split()[0]))
+
+        def done(self, n=1):
+            heard.append(("done", n))
+
+    save_int8("hcw-tiny", tmp_path / "q", progress=Steps())
+    weights = len(int8_weights(load_model("hcw-tiny", device="cpu")))
+    assert heard[0] == ("total", weights + 1) and heard[1] == ("doing", "quantising")
+    assert heard[2:2 + weights] == [("done", 1)] * weights
+    assert heard[2 + weights:] == [("doing", "writing"), ("done", 1)]

@@ -156,10 +156,12 @@ def quantise(
     import time
 
     from engine.model.loader import save_int8
+    from workbench.progress import bar, wanted
 
     t0 = time.perf_counter()
     try:
-        summary = save_int8(model, out)
+        with bar(None, "quantise", wanted(as_json)) as steps:  # a bar of weights on stderr at a terminal
+            summary = save_int8(model, out, progress=steps)
     except ValueError as e:  # ConfigError, WeightsError: no such model, damaged weights, out not empty
         fail(str(e))
     except OSError as e:  # reading the source or writing out: the file says which

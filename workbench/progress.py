@@ -1,5 +1,5 @@
 """A progress display on stderr (rich) for the long commands: `hcw drill`, `hcw replay`, `hcw bench
-replay`. Off for --json and when stderr is not a terminal, so scripts and pipes see only the output."""
+replay`, `hcw quantise`. Off for --json and when stderr is not a terminal, so scripts and pipes see only the output."""
 
 from __future__ import annotations
 
@@ -27,11 +27,17 @@ class Steps:
         if self.display is not None:
             self.display.update(self.task, advance=n)
 
+    def total(self, n: int) -> None:
+        """The steps' count, where it is known only once the work has begun."""
+        if self.display is not None:
+            self.display.update(self.task, total=n)
+
 
 @contextmanager
-def bar(total: int, what: str, enabled: bool, console=None) -> Iterator[Steps]:
-    """A bar of `total` steps on stderr (or `console`) while the block runs; it goes when the block
-    ends, and what is printed to stdout or stderr meanwhile goes above it."""
+def bar(total: int | None, what: str, enabled: bool, console=None) -> Iterator[Steps]:
+    """A bar of `total` steps on stderr (or `console`) while the block runs (None: not known yet,
+    `Steps.total` sets it); it goes when the block ends, and what is printed to stdout or stderr
+    meanwhile goes above it."""
     if not enabled:
         yield Steps()
         return

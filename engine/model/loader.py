@@ -345,7 +345,7 @@ _QUANTISE_BLOCK = 8 << 20
 
 
 def _quantise(state: dict[str, torch.Tensor], names, fused: dict[str, list[tuple[str, int]]], device: str,
-              dropper: _Dropper, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+              dropper: _Dropper, cfg: ModelConfig, done=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The weights `names` taken out of `state` and quantised (kernels/q8) from the checkpoint's
     values, a block of rows at a time, the file pages read for each block given back as it goes:
     name -> (q, scales). A fused weight (a name in `fused`, our name -> its parts) is quantised
@@ -372,6 +372,8 @@ def _quantise(state: dict[str, torch.Tensor], names, fused: dict[str, list[tuple
             row += len(v)
             del v
         out[k] = (q, scales)
+        if done is not None:  # (one call a weight: `save_int8`'s progress)
+            done()
     dropper.flush()
     return out
 
@@ -510,11 +512,13 @@ def stored_format(folder: Path) -> str | None:
     return None
 
 
-def save_int8(path: str | Path, out: str | Path) -> dict:
+def save_int8(path: str | Path, out: str | Path, progress=None) -> dict:
     """Write the model at `path` (a folder or a built-in name) with its int8 weights (what
     `--dtype int8` quantises at load) as the folder `out`, which must not exist or be empty:
     model.safetensors in the stored layout (module docstring) beside a copy of every other file of
-    the source (config, tokenizer). Returns the bytes written and the source's."""
+    the source (config, tokenizer). `progress` (workbench.progress.Steps' shape: total, doing,
+    done) hears of each weight quantised and then of the write. Returns the bytes written and the
+    source's."""
     from safetensors.torch import save_file
 
     folder, out = resolve_model(path), Path(out)
@@ -532,7 +536,14 @@ def save_int8(path: str | Path, out: str | Path) -> dict:
         state = _to_our_names(cfg, raw)
         del raw
         _check(model, state)
-        held = _quantise(state, int8_weights(model).keys(), dict(_fused_modules(model)), "cpu", _Dropper(mapped), cfg)
+        names = list(int8_weights(model))
+        if progress is not None:
+            progress.total(len(names) + 1)
+            progress.doing("quantising")
+        held = _quantise(state, names, dict(_fused_modules(model)), "cpu", _Dropper(mapped), cfg,
+                         done=None if progress is None else progress.done)
+        if progress is not None:
+            progress.doing(f"writing {out / 'model.safetensors'}")
         # (copies: the file's views share its mapping's storage, which safetensors will not write)
         tensors = {STORED + k: v.clone() for k, v in state.items()}
         for name, (q, scales) in held.items():
@@ -548,6 +559,8 @@ def save_int8(path: str | Path, out: str | Path) -> dict:
                 if p.is_file() and p.suffix != ".safetensors" and p.name != "model.safetensors.index.json":
                     shutil.copy2(p, out / p.name)
             partial.replace(out / "model.safetensors")  # last: a folder without it is not a model
+            if progress is not None:
+                progress.done()
         except BaseException:  # a full disk, an interrupt: nothing this call wrote is left behind
             for p in out.iterdir():  # (out was empty or new)
                 p.unlink()
