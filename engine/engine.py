@@ -240,8 +240,9 @@ class Engine:
         config's, else the model's default on its device (at most the config's prefill_chunk_most)."""
         if self.config.deterministic:
             return 1
-        if asked or self.config.prefill_chunk_size:
-            return asked or self.config.prefill_chunk_size
+        chosen = asked or self.config.prefill_chunk_size
+        if chosen:
+            return chosen
         return min(default_prefill_chunk(self.model), self.config.prefill_chunk_most or PREFILL_CHUNK)
 
     @torch.inference_mode()

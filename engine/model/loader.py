@@ -79,11 +79,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     int8 = parse_dtype(dtype) is torch.int8
     dtype = compute_dtype(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        with torch.device("meta"), _no_init():
-            model = HybridModel(cfg)
-    except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:  # sizes no model can have
-        raise ConfigError(f"{folder / 'config.json'} describes no model hcw can build ({type(e).__name__}: {e})") from None
+    model = _meta_model(folder, cfg)
     files = _weight_files(folder)
     # the files stay open while the weights are built, so that the pages read to build one can be
     # given back at once (engine/model/file_pages.py): every weight is then held once, in its final
@@ -118,6 +114,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "fp32", device: str 
     model.weights_digest = xxhash.xxh3_128_digest(f"loader {LOADER_VERSION}".encode() + files_digest(files))
     # an inference engine's weights never need gradients; training builds its own model
     return model.eval().requires_grad_(False)
+
+
+def _meta_model(folder: Path, cfg: ModelConfig) -> HybridModel:
+    """The model `cfg` describes, on the meta device (no memory, no init): a ConfigError for sizes
+    no model can have."""
+    try:
+        with torch.device("meta"), _no_init():
+            return HybridModel(cfg)
+    except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:
+        raise ConfigError(f"{folder / 'config.json'} describes no model hcw can build ({type(e).__name__}: {e})") from None
 
 
 _INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
@@ -414,7 +420,8 @@ def _check(model: HybridModel, state: dict[str, torch.Tensor],
     the tensor as its file does."""
     cfg = model.config
     held = held or {}
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    ours = model.state_dict()
+    expected = {k: tuple(v.shape) for k, v in ours.items()}
     for fused, parts in _fused_modules(model):
         shape = expected.pop(fused)
         if fused in held:
@@ -423,7 +430,7 @@ def _check(model: HybridModel, state: dict[str, torch.Tensor],
             expected.update({part: (rows, *shape[1:]) for part, rows in parts})
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    floating = {k: v.is_floating_point() for k, v in model.state_dict().items()}
+    floating = {k: v.is_floating_point() for k, v in ours.items()}
     for name, (q, scales) in held.items():
         n, k = expected.pop(name)
         for part, t, want in (("q", q, (torch.int8, (n, k))), ("scales", scales, (torch.float32, (n, q8.groups(k))))):
@@ -525,8 +532,7 @@ def save_int8(path: str | Path, out: str | Path, progress=None) -> dict:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise WeightsError(f"{out} already exists and is not an empty folder")
     cfg = ModelConfig.from_folder(folder)
-    with torch.device("meta"), _no_init():
-        model = HybridModel(cfg)
+    model = _meta_model(folder, cfg)
     files = _weight_files(folder)
     with contextlib.ExitStack() as files_open:
         raw, mapped = _read_safetensors(files, files_open)
